@@ -1,0 +1,51 @@
+"""nbddp: distributed PyTorch from a notebook.
+
+``%load_ext nbddp``, then ``%%ddp -n 4`` runs a cell on 4 ranks of one
+torch.distributed process group that persist across cells.
+"""
+
+from __future__ import annotations
+
+from .ddp import DDPContext
+from .errors import (
+    CaptureError,
+    CellFailed,
+    CellInterrupted,
+    NbddpError,
+    PoolClosedError,
+    PoolStartError,
+    RankDied,
+    RankFailed,
+)
+from .pool import Pool, RankStatus
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureError",
+    "CellFailed",
+    "CellInterrupted",
+    "DDPContext",
+    "NbddpError",
+    "Pool",
+    "PoolClosedError",
+    "PoolStartError",
+    "RankDied",
+    "RankFailed",
+    "RankStatus",
+    "__version__",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+]
+
+
+def load_ipython_extension(ipython) -> None:
+    from .magics import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    from .magics import unload
+
+    unload(ipython)

@@ -1,0 +1,302 @@
+"""``%%ddp`` and ``%ddp``: parse arguments, call the pool, hand events to a sink.
+
+No process logic lives here. Bad input raises ``UsageError`` (one line in
+IPython) before the pool is touched, so it leaves the pool as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+
+import torch
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from . import capture
+from . import protocol as P
+from .dashboard import TextSink
+from .errors import CaptureError, CellInterrupted, PoolStartError
+from .launch import START_METHODS
+from .pool import Pool, raise_for_end
+
+__all__ = ["DDPMagics", "load", "unload"]
+
+SUBCOMMANDS = ("start", "status", "restart", "stop", "interrupt", "push", "pull")
+
+
+def _world_size(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the world size must be a whole number, not {text!r}")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"the world size must be at least 1, not {n}")
+    return n
+
+
+def _seconds(text: str) -> float:
+    try:
+        s = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, not {text!r}")
+    if s <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, not {text}")
+    return s
+
+
+def parse_argstring(magic, line: str) -> argparse.Namespace:
+    """Like IPython's, but shell-like quoting: ``--imports "import a; import b"``."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as exc:
+        raise UsageError(f"cannot parse the arguments: {exc}") from None
+    return magic.parser.parse_args(argv)
+
+
+def default_world_size() -> int:
+    """One rank per visible GPU, else 2."""
+    return torch.cuda.device_count() or 2
+
+
+# ---------------------------------------------------------------- argument parsers
+# (their docstrings and help are what %%ddp? and %ddp? show)
+
+
+@magic_arguments()
+@argument("-n", type=_world_size, help="world size (starts or resizes the pool)")
+@argument("--need", default="", help="notebook names to ship to the ranks: 'a,b c'")
+@argument("--imports", default="", help="import statements run on the ranks first")
+@argument("--ranks", help="run only on these ranks: '0,2-3'")
+@argument("--out", help="notebook variable that receives each rank's last value, by rank")
+@argument("--timeout", type=_seconds, help="seconds before the cell is interrupted")
+@argument("--text", action="store_true", help="print lines as '[rank N] line'")
+@argument("--quiet", action="store_true", help="show nothing unless a rank fails")
+def ddp_cell(line, cell):
+    """Run the cell on every rank of the pool (``%%ddp``)."""
+
+
+@magic_arguments()
+@argument("-n", type=_world_size, help="world size (default: one per GPU, else 2)")
+@argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
+@argument("--start-method", choices=START_METHODS, default="forkserver")
+@argument("--timeout", type=_seconds, help="process-group timeout in seconds")
+def ddp_start(line):
+    """Start the pool (restarting it with these options if one runs)."""
+
+
+@magic_arguments()
+@argument("names", nargs="+", help="notebook names to ship")
+@argument("--ranks", help="only these ranks: '0,2-3'")
+def ddp_push(line):
+    """Bind notebook objects on the ranks."""
+
+
+@magic_arguments()
+@argument("name", help="a name or expression on the ranks")
+@argument("--rank", type=int, default=0, help="which rank (default 0)")
+@argument("--all", action="store_true", help="a list with every rank's value")
+def ddp_pull(line):
+    """Return a rank's value (``x = %ddp pull NAME``)."""
+
+
+# ---------------------------------------------------------------- the magics
+
+
+@magics_class
+class DDPMagics(Magics):
+    """``%%ddp`` runs a cell on the pool; ``%ddp start|status|restart|stop|interrupt|push|pull``."""
+
+    def __init__(self, shell) -> None:
+        super().__init__(shell)
+        self.pool: Pool | None = None
+        self.options: dict = {}
+
+    @line_cell_magic
+    def ddp(self, line: str, cell: str | None = None):
+        """Run a cell on a persistent pool of torch.distributed ranks.
+
+        %%ddp [-n N] [--need NAMES] [--imports STMTS] [--ranks RANKS] [--out VAR]
+              [--timeout S] [--text] [--quiet]
+        %ddp start [-n N] [--backend gloo|nccl] [--start-method M] [--timeout S]
+        %ddp status | restart | stop | interrupt
+        %ddp push NAMES [--ranks RANKS]
+        x = %ddp pull NAME [--rank R | --all]
+        """
+        if cell is not None:
+            return self._cell(line, cell)
+        command, _, rest = line.strip().partition(" ")
+        if command not in SUBCOMMANDS:
+            raise UsageError(
+                f"unknown %ddp command {command!r}: use one of {', '.join(SUBCOMMANDS)}"
+                if command
+                else f"%ddp needs a command: {', '.join(SUBCOMMANDS)} (or use %%ddp on a cell)"
+            )
+        try:
+            return getattr(self, f"_{command}")(rest)
+        except CaptureError as exc:
+            raise UsageError(str(exc)) from None
+
+    # -- pool management
+
+    def _want_pool(self, n: int | None, **options) -> Pool:
+        """The pool to use, started, at size ``n`` when given (restarting it if need be)."""
+        options = {**self.options, **{k: v for k, v in options.items() if v is not None}}
+        pool = self.pool
+        size = n or (pool.world_size if pool else None) or default_world_size()
+        if pool is not None and (size != pool.world_size or options != self.options):
+            if pool.started:
+                print(f"nbddp: restarting the pool with {size} rank{'s' * (size > 1)}")
+            pool.stop()
+            pool = None
+        if pool is None:
+            self.pool, self.options = Pool(size, **options), options
+            pool = self.pool
+        if not pool.started and not pool.needs_restart:
+            t0 = time.perf_counter()
+            try:
+                pool.start()
+            except PoolStartError as exc:
+                self.pool = None
+                raise UsageError(f"the pool did not start: {exc}") from None
+            self._say(f"started {size} rank{'s' * (size > 1)} in {time.perf_counter() - t0:.1f} s")
+        return pool
+
+    @staticmethod
+    def _say(text: str) -> None:
+        print(f"nbddp: {text}")
+
+    def _start(self, rest: str) -> None:
+        args = parse_argstring(ddp_start, rest)
+        options = {"backend": args.backend, "start_method": args.start_method,
+                   "pg_timeout": args.timeout}
+        if self.pool is not None:
+            self.pool.stop()
+            self.pool = None
+        self.options = {}
+        self._want_pool(args.n, **options)
+
+    def _status(self, rest: str) -> None:
+        if self.pool is None or not self.pool.started:
+            print("nbddp: no pool is running")
+            return
+        rows = [("rank", "pid", "host", "device", "state", "uptime", "rss")]
+        for s in self.pool.status():
+            rss = "-" if s.rss is None else f"{s.rss / 2**20:.0f} MiB"
+            rows.append((str(s.rank), str(s.pid), s.host, s.device, s.state,
+                         f"{s.uptime:.0f} s", rss))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+
+    def _restart(self, rest: str) -> None:
+        if self.pool is None:
+            raise UsageError("no pool to restart: start one with %ddp start or %%ddp")
+        t0 = time.perf_counter()
+        self.pool.restart()
+        self._say(f"restarted {self.pool.world_size} ranks in {time.perf_counter() - t0:.2f} s "
+                  "(their state is gone)")
+
+    def _stop(self, rest: str) -> None:
+        if self.pool is not None:
+            self.pool.stop()
+            self.pool = None
+            self._say("stopped the pool")
+
+    def _interrupt(self, rest: str) -> None:
+        if self.pool is not None:
+            self.pool.interrupt()
+
+    def _push(self, rest: str) -> None:
+        args = parse_argstring(ddp_push, rest)
+        names = capture.split_names(" ".join(args.names))
+        payload = capture.pack(capture.collect(names, self.shell.user_ns))
+        pool = self._want_pool(None)
+        ranks = capture.parse_ranks(args.ranks, pool.world_size)
+        self._finish(pool.run("", ranks=ranks, needs=payload), TextSink())
+
+    def _pull(self, rest: str):
+        args = parse_argstring(ddp_pull, rest)
+        pool = self._want_pool(None)
+        if not 0 <= args.rank < pool.world_size:
+            raise UsageError(f"--rank: no rank {args.rank} in a pool of {pool.world_size}")
+        ranks = None if args.all else [args.rank]
+        end = self._finish(pool.run(args.name, ranks=ranks, want_values=True), TextSink(quiet=True))
+        if args.all:
+            return [end.values.get(r) for r in range(pool.world_size)]
+        return end.values.get(args.rank)
+
+    # -- cells
+
+    def _cell(self, line: str, cell: str) -> None:
+        args = parse_argstring(ddp_cell, line)
+        try:
+            payload = capture.pack(
+                capture.collect(capture.split_names(args.need), self.shell.user_ns)
+            )
+            imports = capture.check_imports(args.imports)
+            ranks = capture.parse_ranks(args.ranks, args.n or (self.pool and self.pool.world_size))
+        except CaptureError as exc:
+            raise UsageError(str(exc)) from None
+        if args.out is not None and not args.out.isidentifier():
+            raise UsageError(f"--out takes a variable name, not {args.out!r}")
+        pool = self._want_pool(args.n)
+        if ranks and max(ranks) >= pool.world_size:
+            raise UsageError(f"--ranks: no rank {max(ranks)} in a pool of {pool.world_size}")
+        events = pool.run(
+            cell,
+            ranks=ranks,
+            needs=payload,
+            imports=imports,
+            want_values=args.out is not None,
+            timeout=args.timeout,
+        )
+        self._finish(events, TextSink(quiet=args.quiet), out=args.out)
+
+    def _finish(self, events, sink, out: str | None = None) -> P.CellEnd:
+        """Drive the events into the sink (forwarding Ctrl-C to the ranks), then raise on failure."""
+        end = None
+        while True:
+            try:
+                for event in events:
+                    if isinstance(event, P.CellEnd):
+                        end = event
+                    sink.handle(event)
+                break
+            except KeyboardInterrupt:
+                if self.pool is not None:
+                    self.pool.interrupt()
+        sink.close(end)
+        if end is None:
+            raise CellInterrupted("interrupt", notes=["the pool was stopped"])
+        for note in end.notes:
+            self._say(note)
+        if out is not None:
+            self.shell.user_ns[out] = [end.values.get(r) for r in range(self.pool.world_size)]
+        raise_for_end(end)
+        return end
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.stop()
+            self.pool = None
+
+
+_MAGICS: dict[int, DDPMagics] = {}
+
+
+def load(ipython) -> None:
+    magics = DDPMagics(ipython)
+    ipython.register_magics(magics)
+    _MAGICS[id(ipython)] = magics
+
+
+def unload(ipython) -> None:
+    magics = _MAGICS.pop(id(ipython), None)
+    if magics is not None:
+        magics.close()
+        ipython.magics_manager.magics["line"].pop("ddp", None)
+        ipython.magics_manager.magics["cell"].pop("ddp", None)
+

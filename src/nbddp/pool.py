@@ -1,0 +1,719 @@
+"""The pool: a persistent set of ranks, supervised from the notebook process.
+
+``Pool`` knows no IPython. It starts ranks through a launcher, accepts their
+connections on a private listener (a Unix socket in a 0700 directory, with an
+HMAC key), and waits on every connection, output stream and process sentinel
+at once (:meth:`Pool._pump`), so output, results and deaths are all seen as
+they happen. :meth:`Pool.run` turns that into a stream of events for a sink
+and ends with a :class:`~nbddp.protocol.CellEnd`.
+
+One rank dying breaks the process group, so the group is dealt with as a
+whole: the others are stopped, and the next cell starts a new pool and says
+that state was lost.
+"""
+
+from __future__ import annotations
+
+import atexit
+import codecs
+import itertools
+import os
+import secrets
+import shutil
+import signal
+import socket
+import struct
+import tempfile
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
+
+import cloudpickle
+
+from . import protocol as P
+from .errors import (
+    CellFailed,
+    CellInterrupted,
+    PoolClosedError,
+    PoolStartError,
+    RankDied,
+    RankFailed,
+    describe_exit,
+)
+from .launch import START_METHODS, Launcher, make_launcher
+
+__all__ = ["Pool", "RankStatus"]
+
+_LIVE_POOLS: weakref.WeakSet[Pool] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_pools() -> None:
+    for pool in list(_LIVE_POOLS):
+        pool.stop()
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    rank: int
+    pid: int
+    host: str
+    device: str
+    state: str
+    uptime: float
+    rss: int | None
+
+
+class _Stream:
+    """One rank's stdout or stderr: raw bytes in, text pieces and end markers out."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self.conn = conn
+        self.fd = conn.fileno()
+        self.name = name
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._held = ""
+        self.eof = False
+
+    def read(self) -> list[str | int]:
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return []
+        except OSError:
+            data = b""
+        if not data:
+            self.eof = True
+            text = self._held + self._decoder.decode(b"", final=True)
+            self._held = ""
+            return [text] if text else []
+        pieces, self._held = P.split_markers(self._held + self._decoder.decode(data))
+        return pieces
+
+    def read_available(self) -> list[str | int]:
+        """Everything already written, without waiting (used when the writer died)."""
+        os.set_blocking(self.fd, False)
+        pieces: list[str | int] = []
+        while not self.eof:
+            got = self.read()
+            if not got and not self.eof:
+                break
+            pieces += got
+        return pieces
+
+
+@dataclass
+class _Rank:
+    rank: int
+    pid: int
+    host: str = ""
+    conn: Connection | None = None
+    streams: dict[str, _Stream] = field(default_factory=dict)
+    state: str = "starting"  # starting | idle | running | dead
+    device: str = ""
+    backend: str = ""
+    started: float = field(default_factory=time.monotonic)
+    returncode: int | None = None
+
+    def send(self, msg: object) -> bool:
+        if self.conn is None or self.state == "dead":
+            return False
+        try:
+            self.conn.send_bytes(P.dumps(msg))
+            return True
+        except OSError:
+            return False
+
+    @property
+    def connected(self) -> bool:
+        return self.conn is not None and len(self.streams) == 2
+
+
+# items the pump returns: what happened, on which rank
+_Text = tuple  # ("text", rank, stream, text)
+_Mark = tuple  # ("mark", rank, stream, cell)
+_Msg = tuple  # ("msg", rank, message)
+_Gone = tuple  # ("gone", rank)       the control connection closed or the process ended
+
+
+class Pool:
+    """A persistent pool of ``n`` ranks forming one torch.distributed process group.
+
+    >>> with Pool(2) as pool:
+    ...     pool.execute("import torch.distributed as dist; dist.get_rank()")
+    [0, 1]
+    """
+
+    def __init__(
+        self,
+        n: int = 2,
+        *,
+        start_method: str = "forkserver",
+        backend: str | None = None,
+        pg_timeout: float | None = None,
+        start_timeout: float = 120.0,
+        grace: float = 3.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"the world size must be a whole number >= 1, not {n!r}")
+        if start_method not in START_METHODS:
+            raise ValueError(
+                f"unknown start method {start_method!r} (choose from {', '.join(START_METHODS)})"
+            )
+        if backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"unknown backend {backend!r} (choose gloo or nccl)")
+        self.world_size = n
+        self.start_method = start_method
+        self.backend = backend
+        self.pg_timeout = pg_timeout
+        self.start_timeout = start_timeout
+        self.grace = grace
+        self.extra_env = dict(env or {})
+        self.notes: list[str] = []  # said once, with the next cell
+        self._launcher: Launcher | None = None
+        self._dir: str | None = None
+        self._listener: socket.socket | None = None
+        self._token = b""
+        self._ranks: dict[int, _Rank] = {}
+        self._store_port: int | None = None
+        self._backlog: list[P.Output] = []
+        self._cells = itertools.count(1)
+        self._lost = False  # a rank died: the next use restarts and says state was lost
+        self._interrupt_at: float | None = None
+        self._interrupt_reason: str | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ life cycle
+
+    @property
+    def started(self) -> bool:
+        return bool(self._ranks) and all(r.state in ("idle", "running") for r in self._ranks.values())
+
+    @property
+    def needs_restart(self) -> bool:
+        """A rank died or was stopped: the next cell starts a new pool (state is lost)."""
+        return self._lost
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.pid for r in self._ranks.values()]
+
+    def __enter__(self) -> Pool:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> Pool:
+        """Start the ranks and return once every one has joined the group (a handshake)."""
+        if self.started:
+            return self
+        self._closed = False
+        _LIVE_POOLS.add(self)
+        try:
+            self._open_listener()
+            if self._launcher is None:
+                self._launcher = make_launcher(self.start_method)
+            self._lost = False
+            self._store_port = None
+            for rank in range(self.world_size):
+                pid = self._launcher.start(
+                    ["--connect", self._address],
+                    self._rank_env(rank),
+                    os.path.join(self._dir, f"rank{rank}.log"),
+                    os.getcwd(),
+                )
+                self._ranks[rank] = _Rank(rank, pid)
+            self._handshake(time.monotonic() + self.start_timeout)
+        except BaseException:
+            self._teardown(keep_launcher=False)
+            raise
+        return self
+
+    def restart(self) -> Pool:
+        """A new set of ranks (through the same fork server): every rank's state is gone."""
+        self._teardown(keep_launcher=True)
+        return self.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End every rank and helper: ask, wait up to ``timeout`` together, then SIGKILL."""
+        self._teardown(keep_launcher=False, timeout=timeout)
+        self._closed = True
+        _LIVE_POOLS.discard(self)
+
+    def _open_listener(self) -> None:
+        if self._listener is not None:
+            return
+        self._dir = tempfile.mkdtemp(prefix="nbddp-")  # mode 0700
+        self._address = os.path.join(self._dir, "pool.sock")
+        self._token = secrets.token_hex(32).encode()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self._address)
+        self._listener.listen(256)
+
+    def _rank_env(self, rank: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("MASTER_PORT", None)  # rank 0 binds a free port and reports it
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_WORLD_SIZE=str(self.world_size),
+            GROUP_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            NBDDP_TOKEN=self._token.decode(),
+            MPLBACKEND="Agg",
+        )
+        if self.backend:
+            env["NBDDP_BACKEND"] = self.backend
+        if self.pg_timeout:
+            env["NBDDP_PG_TIMEOUT"] = str(self.pg_timeout)
+        env.update(self.extra_env)
+        return env
+
+    def _teardown(self, *, keep_launcher: bool, timeout: float = 5.0) -> None:
+        ranks = list(self._ranks.values())
+        for r in ranks:
+            r.send(P.Shutdown())
+        self._reap(ranks, time.monotonic() + timeout)
+        for r in ranks:
+            for conn in [r.conn, *(s.conn for s in r.streams.values())]:
+                if conn is not None:
+                    conn.close()
+        self._ranks.clear()
+        self._interrupt_at = self._interrupt_reason = None
+        if not keep_launcher:
+            if self._launcher is not None:
+                self._launcher.close()
+                self._launcher = None
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+            if self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+                self._dir = None
+
+    def _reap(self, ranks: list[_Rank], deadline: float) -> None:
+        """Wait for the ranks' processes until ``deadline``, then SIGKILL their sessions."""
+        launcher = self._launcher
+        if launcher is None:
+            return
+        for r in ranks:
+            code = launcher.returncode(r.pid, timeout=max(0.0, deadline - time.monotonic()))
+            if code is None:
+                launcher.kill(r.pid, signal.SIGKILL)
+                code = launcher.returncode(r.pid, timeout=5.0)
+            launcher.kill(r.pid, signal.SIGKILL)  # whatever it started, too
+            r.returncode, r.state = code, "dead"
+
+    # ------------------------------------------------------------ the pump
+
+    def _pump(self, timeout: float | None) -> list[tuple]:
+        """Wait for anything on any connection, stream or sentinel; return what happened."""
+        objs: list = []
+        if self._listener is not None:
+            objs.append(self._listener)
+        for r in self._ranks.values():
+            if r.state == "dead":
+                continue
+            if r.conn is not None:
+                objs.append(r.conn)
+            objs += [s.conn for s in r.streams.values() if not s.eof]
+        if self._launcher is not None:
+            objs += self._launcher.sentinels()
+        ready = wait(objs, timeout)
+        items: list[tuple] = []
+        for obj in ready:
+            if obj is self._listener:
+                self._accept()
+            else:
+                items += self._service(obj)
+        if self._launcher is not None and any(o in ready for o in self._launcher.sentinels()):
+            items += self._exits()
+        return items
+
+    def _service(self, obj: object) -> list[tuple]:
+        for r in self._ranks.values():
+            if obj is r.conn:
+                try:
+                    return [("msg", r.rank, P.loads(r.conn.recv_bytes()))]
+                except (EOFError, OSError):
+                    return [("gone", r.rank)]
+            for s in r.streams.values():
+                if obj is s.conn:
+                    return self._stream_items(r, s, s.read())
+        return []
+
+    @staticmethod
+    def _stream_items(r: _Rank, s: _Stream, pieces: list[str | int]) -> list[tuple]:
+        return [
+            ("mark", r.rank, s.name, p) if isinstance(p, int) else ("text", r.rank, s.name, p)
+            for p in pieces
+        ]
+
+    def _exits(self) -> list[tuple]:
+        self._launcher.poll()
+        return [
+            ("gone", r.rank)
+            for r in self._ranks.values()
+            if r.state != "dead" and r.pid in self._launcher.returncodes
+        ]
+
+    def _accept(self) -> None:
+        sock, _ = self._listener.accept()
+        # a peer that connects and never answers must not stall the pool
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 5, 0))
+        conn = Connection(sock.detach())
+        try:
+            deliver_challenge(conn, self._token)
+            answer_challenge(conn, self._token)
+            hello = P.loads(conn.recv_bytes(1 << 16))
+        except (AuthenticationError, EOFError, OSError, TypeError, ValueError):
+            conn.close()
+            self.notes.append("a connection to the pool was refused (bad token or protocol)")
+            return
+        s = socket.socket(fileno=os.dup(conn.fileno()))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+        s.close()
+        self._attach(conn, hello)
+
+    def _attach(self, conn: Connection, hello: object) -> None:
+        r = self._ranks.get(getattr(hello, "rank", -1))
+        if r is None or r.state == "dead":
+            conn.close()
+            return
+        if isinstance(hello, P.Hello):
+            if hello.version != P.PROTOCOL_VERSION:
+                conn.close()
+                raise PoolStartError(
+                    f"rank {hello.rank} speaks protocol {hello.version}, the notebook "
+                    f"{P.PROTOCOL_VERSION}: install the same nbddp version on every host"
+                )
+            r.conn, r.pid, r.host = conn, hello.pid, hello.host
+            if self._store_port is not None and r.rank != 0:
+                r.send(P.JoinGroup(self._store_port))
+        elif isinstance(hello, P.StreamHello):
+            r.streams[hello.stream] = _Stream(conn, hello.stream)
+        else:
+            conn.close()
+
+    # ------------------------------------------------------------ start handshake
+
+    def _handshake(self, deadline: float) -> None:
+        while not all(r.state == "idle" and r.connected for r in self._ranks.values()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waiting = [r.rank for r in self._ranks.values() if r.state != "idle"]
+                raise PoolStartError(
+                    f"ranks {waiting} did not start within {self.start_timeout:g} s"
+                    + self._log_tail(waiting[0])
+                )
+            for item in self._pump(min(left, 1.0)):
+                self._handshake_item(item)
+
+    def _handshake_item(self, item: tuple) -> None:
+        kind, rank = item[0], item[1]
+        r = self._ranks[rank]
+        if kind == "text":
+            self._backlog.append(P.Output(rank, item[2], item[3]))
+        elif kind == "gone":
+            code = self._launcher.returncode(r.pid, timeout=1.0)
+            raise PoolStartError(
+                f"rank {rank} exited while starting ({describe_exit(code)})" + self._log_tail(rank)
+            )
+        elif kind == "msg":
+            msg = item[2]
+            if isinstance(msg, P.StorePort):
+                self._store_port = msg.port
+                for other in self._ranks.values():
+                    if other.rank != 0 and other.conn is not None:
+                        other.send(P.JoinGroup(msg.port))
+            elif isinstance(msg, P.Ready):
+                r.state, r.backend, r.device = "idle", msg.backend, msg.device
+                r.started = time.monotonic()
+            elif isinstance(msg, P.Fatal):
+                raise PoolStartError(f"rank {rank} failed to start:\n{msg.error.traceback}")
+
+    def _log_tail(self, rank: int, lines: int = 20) -> str:
+        path = os.path.join(self._dir or "", f"rank{rank}.log")
+        try:
+            with open(path, errors="replace") as f:
+                tail = f.readlines()[-lines:]
+        except OSError:
+            return ""
+        return ("\n" + "".join(tail).rstrip()) if tail else ""
+
+    # ------------------------------------------------------------ cells
+
+    def _ensure_running(self) -> None:
+        if self._closed and not self._ranks:
+            raise PoolClosedError("the pool was stopped; start it again")
+        gone = [i for i in self._poll_idle() if i[0] == "gone"]
+        if gone or self._lost:
+            dead = [self._ranks[i[1]] for i in gone]
+            why = ", ".join(
+                RankDied(r.rank, self._launcher.returncode(r.pid, 1.0)).summary for r in dead
+            )
+            self._teardown(keep_launcher=True)
+            self.notes.append(
+                (f"{why} since the last cell; " if why else "")
+                + "started a new pool: the ranks' state was lost"
+            )
+        if not self.started:
+            self.start()
+
+    def _poll_idle(self) -> list[tuple]:
+        """Take in whatever arrived between cells (output goes to the backlog)."""
+        if not self._ranks:
+            return []
+        items = self._pump(0)
+        for item in items:
+            if item[0] == "text":
+                self._backlog.append(P.Output(item[1], item[2], item[3]))
+        return items
+
+    def run(
+        self,
+        code: str,
+        *,
+        ranks: list[int] | None = None,
+        needs: dict[str, object] | bytes | None = None,
+        imports: str = "",
+        want_values: bool = False,
+        timeout: float | None = None,
+    ) -> Iterator[object]:
+        """Run ``code`` on ``ranks`` (all by default); yield events, ending with ``CellEnd``.
+
+        ``needs`` maps names to objects bound on the ranks before the cell
+        (or is already cloudpickled). Interrupt with :meth:`interrupt` (or a
+        KeyboardInterrupt while waiting); ``timeout`` seconds behave the same.
+        """
+        self._ensure_running()
+        targets = sorted(set(range(self.world_size) if ranks is None else ranks))
+        bad = [r for r in targets if not 0 <= r < self.world_size]
+        if bad:
+            raise ValueError(f"no rank {bad[0]} in a pool of {self.world_size}")
+        if isinstance(needs, dict):
+            needs = cloudpickle.dumps(needs) if needs else None
+        cell = next(self._cells)
+        return self._cell(cell, targets, P.Run(cell, code, imports, needs, want_values), timeout)
+
+    def _cell(self, cell: int, targets: list[int], run: P.Run, timeout: float | None):
+        notes, self.notes = self.notes, []
+        backlog, self._backlog = self._backlog, []
+        yield from backlog
+        run_state = _CellState(cell, targets, run.want_value)
+        for rank in targets:
+            self._ranks[rank].state = "running"
+            self._ranks[rank].send(run)
+            yield P.RankState(rank, "running")
+        self._interrupt_at = self._interrupt_reason = None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while run_state.unfinished:
+                yield from self._cell_step(run_state, deadline)
+        finally:
+            if run_state.unfinished:  # the consumer gave up on us: leave nothing running
+                self._lost = True
+                self._teardown(keep_launcher=True)
+        yield run_state.end(self._interrupt_reason, notes + self._take_notes())
+
+    def _take_notes(self) -> list[str]:
+        notes, self.notes = self.notes, []
+        return notes
+
+    def _cell_step(self, st: _CellState, deadline: float | None):
+        now = time.monotonic()
+        if deadline is not None and now >= deadline and self._interrupt_reason is None:
+            self._interrupt("timeout")
+        if self._interrupt_at is not None and now >= self._interrupt_at:
+            yield from self._stop_stuck(st)
+            return
+        limits = [t for t in (deadline, self._interrupt_at) if t is not None]
+        wait_for = max(0.0, min(limits) - now) if limits else None
+        try:
+            items = self._pump(wait_for)
+        except KeyboardInterrupt:
+            self.interrupt()
+            return
+        for item in items:
+            yield from self._cell_item(st, item)
+
+    def _cell_item(self, st: _CellState, item: tuple):
+        kind, rank = item[0], item[1]
+        r = self._ranks[rank]
+        if kind == "text":
+            yield P.Output(rank, item[2], item[3])
+        elif kind == "mark":
+            if item[3] == st.cell:
+                st.marks[rank].discard(item[2])
+                yield from self._maybe_finish(st, rank)
+        elif kind == "msg" and isinstance(item[2], P.Done) and item[2].cell == st.cell:
+            st.done[rank] = item[2]
+            r.state = "idle"
+            yield from self._maybe_finish(st, rank)
+        elif kind == "gone" and r.state != "dead":
+            yield from self._rank_died(st, r)
+
+    def _maybe_finish(self, st: _CellState, rank: int):
+        if rank in st.done and not st.marks[rank] and rank in st.unfinished:
+            st.unfinished.discard(rank)
+            yield from st.finish(rank)
+
+    def _rank_died(self, st: _CellState, r: _Rank):
+        """One rank died: its group is broken, so every other rank is stopped too."""
+        for s in r.streams.values():
+            for item in self._stream_items(r, s, s.read_available()):
+                if item[0] == "text":
+                    yield P.Output(r.rank, item[2], item[3])
+        r.state, r.returncode = "dead", self._launcher_code(r)
+        exit_event = P.RankExit(r.rank, r.returncode)
+        st.exits[r.rank] = exit_event
+        yield exit_event
+        yield P.RankState(r.rank, "dead")
+        st.unfinished.discard(r.rank)
+        yield from self._stop_others(st, exclude=r.rank)
+        self.notes.append(
+            "the process group lost a member, so the pool was stopped; "
+            "the next cell starts a new one (the ranks' state is lost)"
+        )
+
+    def _launcher_code(self, r: _Rank) -> int | None:
+        return None if self._launcher is None else self._launcher.returncode(r.pid, timeout=2.0)
+
+    def _stop_others(self, st: _CellState, exclude: int | None = None):
+        others = [o for o in self._ranks.values() if o.rank != exclude and o.state != "dead"]
+        for o in others:
+            if self._launcher is not None:
+                self._launcher.kill(o.pid, signal.SIGKILL)
+            else:
+                o.send(P.Shutdown())
+        self._reap(others, time.monotonic() + 2.0)
+        for o in others:
+            for s in o.streams.values():
+                for item in self._stream_items(o, s, s.read_available()):
+                    if item[0] == "text":
+                        yield P.Output(o.rank, item[2], item[3])
+            if o.rank in st.unfinished:
+                st.unfinished.discard(o.rank)
+                st.exits[o.rank] = P.RankExit(o.rank, o.returncode, stopped_by_pool=True)
+                yield P.RankState(o.rank, "dead")
+        self._lost = True
+
+    def _stop_stuck(self, st: _CellState):
+        stuck = sorted(st.unfinished)
+        self.notes.append(
+            f"rank{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} did not stop "
+            f"within {self.grace:g} s of the {self._interrupt_reason} and "
+            f"{'were' if len(stuck) > 1 else 'was'} stopped with the rest of the pool; "
+            "the next cell starts a new one (the ranks' state is lost)"
+        )
+        self._interrupt_at = None
+        yield from self._stop_others(st)
+
+    def interrupt(self) -> None:
+        """Interrupt the running cell on every rank running it."""
+        self._interrupt("interrupt")
+
+    def _interrupt(self, reason: str) -> None:
+        running = [r for r in self._ranks.values() if r.state == "running"]
+        for r in running:
+            r.send(P.Interrupt())
+        if self._interrupt_reason is None:
+            self._interrupt_reason = reason
+            self._interrupt_at = time.monotonic() + self.grace
+
+    def execute(self, code: str, **kwargs) -> list[object]:
+        """Run ``code`` and return the last expression's value by rank; raise on failure.
+
+        Output is discarded; use :meth:`run` to see it.
+        """
+        end = None
+        for event in self.run(code, want_values=True, **kwargs):
+            if isinstance(event, P.CellEnd):
+                end = event
+        raise_for_end(end)
+        return [end.values.get(r) for r in range(self.world_size)]
+
+    # ------------------------------------------------------------ status
+
+    def status(self, timeout: float = 2.0) -> list[RankStatus]:
+        """One row per rank: pid, host, device, state, uptime, resident memory."""
+        live = [r for r in self._ranks.values() if r.state != "dead" and r.send(P.Query())]
+        replies: dict[int, P.StatusReply] = {}
+        deadline = time.monotonic() + timeout
+        while len(replies) < len(live) and time.monotonic() < deadline:
+            for item in self._pump(max(0.0, deadline - time.monotonic())):
+                if item[0] == "msg" and isinstance(item[2], P.StatusReply):
+                    replies[item[1]] = item[2]
+                elif item[0] == "text":
+                    self._backlog.append(P.Output(item[1], item[2], item[3]))
+                elif item[0] == "gone":
+                    self._ranks[item[1]].state = "dead"
+                    self._lost = True
+        now = time.monotonic()
+        return [
+            RankStatus(
+                r.rank,
+                r.pid,
+                r.host,
+                r.device,
+                r.state if r.state == "dead" or r.rank in replies else "unresponsive",
+                now - r.started,
+                replies[r.rank].rss if r.rank in replies else None,
+            )
+            for r in self._ranks.values()
+        ]
+
+
+class _CellState:
+    """What one cell is waiting for, and what came back."""
+
+    def __init__(self, cell: int, targets: list[int], want_values: bool) -> None:
+        self.cell = cell
+        self.targets = targets
+        self.want_values = want_values
+        self.unfinished = set(targets)
+        self.marks = {r: {"stdout", "stderr"} for r in targets}
+        self.done: dict[int, P.Done] = {}
+        self.values: dict[int, object] = {}
+        self.errors: dict[int, P.ErrorInfo] = {}
+        self.exits: dict[int, P.RankExit] = {}
+
+    def finish(self, rank: int):
+        done = self.done[rank]
+        if done.status == "error":
+            self.errors[rank] = done.error
+            yield P.RankState(rank, "failed")
+            return
+        if done.status == "ok" and done.value is not None:
+            self.values[rank] = cloudpickle.loads(done.value)
+        if done.value_repr is not None:
+            yield P.RankResult(rank, done.value_repr)
+        yield P.RankState(rank, "done" if done.status == "ok" else "interrupted")
+
+    def end(self, interrupted: str | None, notes: list[str]) -> P.CellEnd:
+        return P.CellEnd(
+            self.cell,
+            tuple(self.targets),
+            self.values,
+            self.errors,
+            self.exits,
+            interrupted,
+            tuple(notes),
+        )
+
+
+def raise_for_end(end: P.CellEnd) -> None:
+    """Raise the one error that says how the cell failed, if it did."""
+    failures: list = [RankFailed.from_info(r, e) for r, e in end.errors.items()]
+    failures += [RankDied(r, x.returncode) for r, x in end.exits.items() if not x.stopped_by_pool]
+    if end.interrupted:
+        raise CellInterrupted(end.interrupted, failures, list(end.notes))
+    if failures:
+        raise CellFailed(failures, list(end.notes))
+

@@ -1,0 +1,263 @@
+"""The messages between the notebook and its workers, and the events a pool yields.
+
+Every message is a frozen dataclass. This module is the only place that turns
+them into bytes and back. Framing and authentication belong to
+``multiprocessing.connection`` (a length-prefixed frame after an HMAC
+challenge in both directions), so nothing here is ever unpickled from a peer
+that has not proven it holds the pool's key.
+
+A worker holds three connections to the notebook: ``control`` carries these
+messages; ``stdout`` and ``stderr`` carry the raw bytes of file descriptors 1
+and 2 (Python and C++ output alike). At the end of each cell the worker writes
+``end_marker(cell)`` into both streams before it sends :class:`Done`, so the
+notebook knows it has every byte the cell printed, on any transport.
+
+Timeline of a pool::
+
+    worker                               notebook
+    Hello ------------------------------>  (one per rank; StreamHello x2 on the streams)
+    StorePort (rank 0, local pools) ---->
+                  <--------------------- JoinGroup(port)   (ranks != 0)
+    Ready ------------------------------>
+                  <--------------------- Run(cell, code, ...)
+    bytes on stdout/stderr ------------->
+    end markers, then Done ------------->
+                  <--------------------- Interrupt | Query | Shutdown (any time)
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from dataclasses import dataclass, field
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "CellEnd",
+    "Done",
+    "ErrorInfo",
+    "Fatal",
+    "Hello",
+    "Interrupt",
+    "JoinGroup",
+    "Output",
+    "Query",
+    "RankExit",
+    "RankResult",
+    "RankState",
+    "Ready",
+    "Run",
+    "Shutdown",
+    "StatusReply",
+    "StorePort",
+    "StreamHello",
+    "dumps",
+    "end_marker",
+    "loads",
+    "split_markers",
+]
+
+PROTOCOL_VERSION = 1
+
+
+# ---------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """An exception as data: it crosses processes without pickling the exception."""
+
+    exc_type: str
+    message: str
+    traceback: str  # formatted, cell frames only, ends with "Type: message"
+
+
+# ---------------------------------------------------------------- worker -> notebook
+
+
+@dataclass(frozen=True)
+class Hello:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    pid: int
+    host: str
+    needs_port: bool  # True: rank 0 opens the store on a free port and reports it
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class StreamHello:
+    rank: int
+    pid: int
+    stream: str  # "stdout" | "stderr"
+
+
+@dataclass(frozen=True)
+class StorePort:
+    port: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    backend: str
+    device: str
+
+
+@dataclass(frozen=True)
+class Fatal:
+    """The worker could not start (process group, imports); it exits after this."""
+
+    error: ErrorInfo
+
+
+@dataclass(frozen=True)
+class Done:
+    cell: int
+    status: str  # "ok" | "error" | "interrupted"
+    value: bytes | None = None  # cloudpickled last expression, when asked for
+    value_repr: str | None = None
+    error: ErrorInfo | None = None
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    rss: int
+    device: str
+
+
+# ---------------------------------------------------------------- notebook -> worker
+
+
+@dataclass(frozen=True)
+class JoinGroup:
+    port: int
+
+
+@dataclass(frozen=True)
+class Run:
+    cell: int
+    code: str
+    imports: str = ""
+    needs: bytes | None = None  # cloudpickled {name: object}
+    want_value: bool = False
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    pass
+
+
+@dataclass(frozen=True)
+class Query:
+    pass
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# ---------------------------------------------------------------- events a pool yields
+
+
+@dataclass(frozen=True)
+class Output:
+    rank: int
+    stream: str  # "stdout" | "stderr"
+    text: str
+
+
+@dataclass(frozen=True)
+class RankState:
+    rank: int
+    state: str  # "queued" | "running" | "done" | "failed" | "interrupted" | "dead"
+
+
+@dataclass(frozen=True)
+class RankResult:
+    rank: int
+    value_repr: str | None
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """A rank's process ended while it was wanted (died, or was stopped by the pool)."""
+
+    rank: int
+    returncode: int | None  # negative: killed by that signal; None: unknown (remote)
+    stopped_by_pool: bool = False
+
+
+@dataclass(frozen=True)
+class CellEnd:
+    """The last event of every cell: what came back, what failed, what it cost."""
+
+    cell: int
+    ranks: tuple[int, ...]
+    values: dict[int, object] = field(default_factory=dict)
+    errors: dict[int, ErrorInfo] = field(default_factory=dict)
+    exits: dict[int, RankExit] = field(default_factory=dict)
+    interrupted: str | None = None  # None, "interrupt" or "timeout"
+    notes: tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------------- encoding
+
+_MESSAGES = (Hello, StreamHello, StorePort, Ready, Fatal, Done, StatusReply,
+             JoinGroup, Run, Interrupt, Query, Shutdown)
+
+
+def dumps(msg: object) -> bytes:
+    if type(msg) not in _MESSAGES:
+        raise TypeError(f"not a protocol message: {type(msg).__name__}")
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(data: bytes) -> object:
+    msg = pickle.loads(data)
+    if type(msg) not in _MESSAGES:
+        raise TypeError(f"not a protocol message: {type(msg).__name__}")
+    return msg
+
+
+_MARKER_PREFIX = "\x00nbddp-end-"
+_MARKER_RE = re.compile("\x00nbddp-end-(\\d+)\x00")
+
+
+def _may_become_marker(tail: str) -> bool:
+    if _MARKER_PREFIX.startswith(tail):
+        return True
+    digits = tail[len(_MARKER_PREFIX) :]
+    return tail.startswith(_MARKER_PREFIX) and digits.isdigit() and len(digits) < 20
+
+
+def end_marker(cell: int) -> bytes:
+    """Bytes a worker writes into stdout and stderr when cell ``cell`` has ended."""
+    return f"\x00nbddp-end-{cell}\x00".encode()
+
+
+def split_markers(text: str) -> tuple[list[str | int], str]:
+    """Split decoded stream text into pieces of text and cell numbers of end markers.
+
+    Returns the pieces and a tail held back because it may be the start of a
+    marker whose rest has not arrived yet.
+    """
+    pieces: list[str | int] = []
+    pos = 0
+    for m in _MARKER_RE.finditer(text):
+        if m.start() > pos:
+            pieces.append(text[pos : m.start()])
+        pieces.append(int(m.group(1)))
+        pos = m.end()
+    rest = text[pos:]
+    cut = rest.rfind("\x00")
+    tail = rest[cut:] if cut != -1 else ""
+    if tail and _may_become_marker(tail):
+        rest = rest[:cut]
+    else:
+        tail = ""
+    if rest:
+        pieces.append(rest)
+    return pieces, tail

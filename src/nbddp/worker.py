@@ -1,0 +1,379 @@
+"""One rank: ``python -m nbddp.worker --connect ADDRESS [--token-file F]``.
+
+However it was launched (by a pool on this machine, or by torchrun elsewhere),
+a worker connects back to the notebook, joins the process group, and runs
+cells in one namespace that lives until the worker ends. Its file descriptors
+1 and 2 are sockets to the notebook, so everything it prints (Python or C++)
+reaches the notebook even if the process dies the next instant.
+
+Threads: the main thread runs cells; a receiver thread reads the control
+connection, turning ``Interrupt`` into SIGINT for the main thread, answering
+``Query``, and ending the process on ``Shutdown`` or when the notebook is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import builtins
+import contextlib
+import ctypes
+import io
+import linecache
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import types
+from multiprocessing.connection import Client, Connection
+
+import cloudpickle
+import psutil
+import torch
+import torch.distributed as dist
+
+from . import protocol as P
+from .ddp import DDPContext, default_backend
+
+__all__ = ["Worker", "main", "run_code"]
+
+CELL_PREFIX = "<ddp-"
+_libc = ctypes.CDLL(None)
+
+
+# ---------------------------------------------------------------- pure helpers
+
+
+def run_code(code: str, filename: str, namespace: dict) -> object:
+    """Run ``code`` in ``namespace``; return the value of a final expression, else None."""
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    tree = ast.parse(code, filename)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    exec(compile(tree, filename, "exec"), namespace)
+    if last is None:
+        return None
+    return eval(compile(last, filename, "eval"), namespace)
+
+
+def error_info(exc: BaseException) -> P.ErrorInfo:
+    """The exception as data, its traceback cut to the frames of the user's code."""
+    tb = exc.__traceback__
+    while tb is not None and not tb.tb_frame.f_code.co_filename.startswith(CELL_PREFIX):
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    return P.ErrorInfo(type(exc).__qualname__, str(exc), text)
+
+
+def adopt(obj: object, namespace: dict) -> object:
+    """Make a function or class shipped from the notebook resolve its globals in ``namespace``.
+
+    cloudpickle rebuilds notebook functions with a private globals dict; here
+    they are rebuilt over the rank's namespace, so ``--imports`` and the
+    rank's own state are visible to them. Names only the private dict holds
+    are added to the namespace, never overwriting the rank's own.
+    """
+    if isinstance(obj, types.FunctionType) and obj.__globals__ is not namespace:
+        for name, value in obj.__globals__.items():
+            if not name.startswith("__"):
+                namespace.setdefault(name, value)
+        fn = types.FunctionType(
+            obj.__code__, namespace, obj.__name__, obj.__defaults__, obj.__closure__
+        )
+        fn.__kwdefaults__ = obj.__kwdefaults__
+        fn.__dict__.update(obj.__dict__)
+        fn.__qualname__, fn.__doc__ = obj.__qualname__, obj.__doc__
+        fn.__module__, fn.__annotations__ = obj.__module__, obj.__annotations__
+        return fn
+    if isinstance(obj, type) and obj.__module__ == "__main__":
+        for name, member in list(vars(obj).items()):
+            if isinstance(member, types.FunctionType):
+                setattr(obj, name, adopt(member, namespace))
+    return obj
+
+
+def parse_address(address: str) -> tuple[str | tuple[str, int], str]:
+    """``/path/sock`` or ``unix:/path`` -> AF_UNIX; ``host:port`` -> AF_INET."""
+    if address.startswith("unix:"):
+        return address[5:], "AF_UNIX"
+    if "/" in address:
+        return address, "AF_UNIX"
+    host, _, port = address.rpartition(":")
+    return (host or "127.0.0.1", int(port)), "AF_INET"
+
+
+def connect(address: str, token: bytes, timeout: float = 60.0) -> Connection:
+    """Connect and authenticate, retrying until the listener is up or ``timeout`` passes."""
+    addr, family = parse_address(address)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return Client(addr, family, authkey=token)
+        except (ConnectionRefusedError, FileNotFoundError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+class _LineWriter(io.TextIOWrapper):
+    """stdout/stderr over a raw fd: flushed at every newline and every explicit flush."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        raw = io.FileIO(fd, "w", closefd=False)
+        super().__init__(
+            io.BufferedWriter(raw),
+            encoding="utf-8",
+            errors="backslashreplace",
+            line_buffering=True,
+        )
+        self.mode = "w"
+        self._name = name
+
+    @property
+    def name(self) -> str:  # what print(sys.stdout) and loggers show
+        return self._name
+
+
+# ---------------------------------------------------------------- the worker
+
+
+class Worker:
+    """A rank's life: handshake, process group, then cells until told to stop."""
+
+    def __init__(self, control: Connection, address: str, token: bytes) -> None:
+        env = os.environ
+        self.control = control
+        self.address, self.token = address, token
+        self.rank = int(env.get("RANK", 0))
+        self.world_size = int(env.get("WORLD_SIZE", 1))
+        self.local_rank = int(env.get("LOCAL_RANK", self.rank))
+        self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", self.world_size))
+        self.needs_port = "MASTER_PORT" not in env
+        self.inbox: queue.Queue = queue.Queue()
+        self.send_lock = threading.Lock()
+        self.running = False
+        self.device = "cpu"
+        self.namespace: dict = {}
+
+    # -- messaging
+
+    def send(self, msg: object) -> None:
+        data = P.dumps(msg)
+        with self.send_lock:
+            self.control.send_bytes(data)
+
+    def _receive_loop(self) -> None:
+        try:
+            self._receive()
+        except BaseException:
+            traceback.print_exc()
+            self._exit(1)
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                msg = P.loads(self.control.recv_bytes())
+            except (EOFError, OSError):
+                self._exit(1)  # the notebook went away
+            if isinstance(msg, P.Interrupt):
+                if self.running:
+                    os.kill(os.getpid(), signal.SIGINT)
+            elif isinstance(msg, P.Query):
+                self.send(P.StatusReply(psutil.Process().memory_info().rss, self.device))
+            elif isinstance(msg, P.Shutdown):
+                self._exit(0)
+            else:
+                self.inbox.put(msg)
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        if self.running:
+            raise KeyboardInterrupt
+
+    def _exit(self, code: int) -> None:
+        """End now, from any thread, with every process this rank started."""
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            _libc.fflush(None)
+        except Exception:
+            pass
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        os._exit(code)
+
+    # -- start
+
+    def _hello(self) -> None:
+        self.send(
+            P.Hello(
+                rank=self.rank,
+                world_size=self.world_size,
+                local_rank=self.local_rank,
+                local_world_size=self.local_world_size,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                needs_port=self.needs_port,
+            )
+        )
+
+    def _connect_streams(self) -> None:
+        for fd, stream in ((1, "stdout"), (2, "stderr")):
+            conn = connect(self.address, self.token, timeout=10)
+            conn.send_bytes(P.dumps(P.StreamHello(self.rank, os.getpid(), stream)))
+            sys.stdout.flush() if fd == 1 else sys.stderr.flush()
+            os.dup2(conn.fileno(), fd)
+            conn.close()
+        sys.stdout = _LineWriter(1, "<stdout>")
+        sys.stderr = _LineWriter(2, "<stderr>")
+
+    def _join_group(self) -> None:
+        addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        store = None
+        if self.needs_port:
+            if self.rank == 0:
+                store = dist.TCPStore(addr, 0, self.world_size, True, wait_for_workers=False)
+                self.send(P.StorePort(store.port))
+            else:
+                msg = self.inbox.get()
+                assert isinstance(msg, P.JoinGroup), msg
+                store = dist.TCPStore(addr, msg.port, self.world_size, False)
+            os.environ["MASTER_PORT"] = str(store.port)
+        timeout = os.environ.get("NBDDP_PG_TIMEOUT")
+        ctx = DDPContext(
+            os.environ.get("NBDDP_BACKEND") or default_backend(),
+            store=store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=float(timeout) if timeout else None,
+        )
+        ctx.__enter__()
+        self.device = str(ctx.device)
+        self._make_namespace(ctx)
+        self.send(P.Ready(ctx.backend, self.device))
+
+    def _make_namespace(self, ctx: DDPContext) -> None:
+        """The rank's persistent namespace: it is ``__main__``, so pickle finds cell classes."""
+        main = types.ModuleType("__main__")
+        main.__dict__.update(
+            __builtins__=builtins,
+            torch=torch,
+            rank=ctx.rank,
+            local_rank=ctx.local_rank,
+            world_size=ctx.world_size,
+            device=ctx.device,
+        )
+        sys.modules["__main__"] = main
+        self.namespace = main.__dict__
+
+    # -- cells
+
+    def _run(self, msg: P.Run) -> None:
+        filename = f"{CELL_PREFIX}cell-{msg.cell}>"
+        status, value, error = "ok", None, None
+        self.running = True
+        try:
+            if msg.imports:
+                run_code(msg.imports, f"{CELL_PREFIX}imports>", self.namespace)
+            if msg.needs:
+                for name, obj in cloudpickle.loads(msg.needs).items():
+                    self.namespace[name] = adopt(obj, self.namespace)
+            value = run_code(msg.code, filename, self.namespace)
+        except KeyboardInterrupt:
+            status = "interrupted"
+        except SystemExit as exc:
+            self._end_streams(msg.cell)
+            self._exit(exc.code if isinstance(exc.code, int) else 1)
+        except BaseException as exc:
+            status, error = "error", error_info(exc)
+        finally:
+            self.running = False
+        self._end_streams(msg.cell)
+        self.send(self._done(msg, status, value, error))
+
+    def _done(self, msg: P.Run, status: str, value: object, error: P.ErrorInfo | None) -> P.Done:
+        if status != "ok" or value is None:
+            return P.Done(msg.cell, status, error=error)
+        try:
+            value_repr = repr(value)
+        except Exception as exc:
+            value_repr = f"<repr failed: {type(exc).__name__}: {exc}>"
+        if len(value_repr) > 10_000:
+            value_repr = value_repr[:10_000] + " ..."
+        packed = None
+        if msg.want_value:
+            try:
+                packed = cloudpickle.dumps(value)
+            except Exception as exc:
+                info = P.ErrorInfo(
+                    "PicklingError",
+                    f"the cell's value ({type(value).__name__}) cannot be pickled: {exc}",
+                    f"PicklingError: the cell's value ({type(value).__name__}) "
+                    f"cannot be pickled: {exc}\n",
+                )
+                return P.Done(msg.cell, "error", error=info)
+        return P.Done(msg.cell, "ok", packed, value_repr)
+
+    def _end_streams(self, cell: int) -> None:
+        """Flush Python and C buffers, then mark the end of this cell in both streams."""
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        _libc.fflush(None)
+        marker = P.end_marker(cell)
+        os.write(1, marker)
+        os.write(2, marker)
+
+    def serve(self) -> int:
+        signal.signal(signal.SIGINT, self._on_sigint)
+        self._hello()
+        threading.Thread(target=self._receive_loop, name="nbddp-receiver", daemon=True).start()
+        self._connect_streams()
+        try:
+            self._join_group()
+        except BaseException as exc:
+            self.send(P.Fatal(error_info(exc)))
+            self._exit(1)
+        while True:
+            msg = self.inbox.get()
+            if isinstance(msg, P.Run):
+                self._run(msg)
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def _read_token(path: str | None) -> bytes:
+    if path:
+        with open(os.path.expanduser(path), "rb") as f:
+            return f.read().strip()
+    token = os.environ.pop("NBDDP_TOKEN", "")
+    if not token:
+        raise SystemExit("nbddp.worker: no token: pass --token-file or set NBDDP_TOKEN")
+    return token.encode()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nbddp.worker", description=__doc__)
+    parser.add_argument("--connect", required=True, help="the notebook's listener: PATH or HOST:PORT")
+    parser.add_argument("--token-file", help="file holding the pool's token (else $NBDDP_TOKEN)")
+    parser.add_argument("--connect-timeout", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    token = _read_token(args.token_file)
+    try:
+        control = connect(args.connect, token, args.connect_timeout)
+    except OSError as exc:
+        print(f"nbddp.worker: cannot reach the notebook at {args.connect}: {exc}", file=sys.stderr)
+        return 2
+    return Worker(control, args.connect, token).serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
