@@ -333,7 +333,8 @@ class Pool:
             else:
                 items += self._service(obj)
         if self._launcher is not None and any(o in ready for o in self._launcher.sentinels()):
-            items += self._exits()
+            gone = {i[1] for i in items if i[0] == "gone"}
+            items += [i for i in self._exits() if i[1] not in gone]
         return items
 
     def _service(self, obj: object) -> list[tuple]:

@@ -1,0 +1,22 @@
+"""Shared fixtures: real pools (started once per session where a test allows it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nbddp import Pool
+
+
+@pytest.fixture(scope="session")
+def shared_pool():
+    with Pool(2) as pool:
+        yield pool
+
+
+@pytest.fixture
+def pool(shared_pool):
+    """The session's 2-rank pool, healthy at the start of each test."""
+    if shared_pool.needs_restart or not shared_pool.started:
+        shared_pool.restart()
+    shared_pool.notes.clear()
+    yield shared_pool

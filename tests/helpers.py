@@ -1,0 +1,40 @@
+"""Helpers shared by the tests."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+
+from nbddp import protocol as P
+
+
+def collect(events):
+    """Run a cell's events to the end: (text by (rank, stream), all events, CellEnd)."""
+    text: dict[tuple[int, str], str] = {}
+    seen = []
+    end = None
+    for ev in events:
+        seen.append(ev)
+        if isinstance(ev, P.Output):
+            text[ev.rank, ev.stream] = text.get((ev.rank, ev.stream), "") + ev.text
+        if isinstance(ev, P.CellEnd):
+            end = ev
+    return text, seen, end
+
+
+def wait_gone(pids, timeout=10.0, zombies=True):
+    """Pids still alive after waiting up to ``timeout`` (zombies count as gone if ``zombies``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                status = psutil.Process(pid).status()
+                if not zombies or status != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)

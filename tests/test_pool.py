@@ -1,0 +1,219 @@
+"""The pool through real worker processes (gloo on CPU)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import psutil
+import pytest
+
+from nbddp import CellFailed, CellInterrupted, Pool, PoolStartError
+from nbddp import protocol as P
+from nbddp.pool import raise_for_end
+
+from helpers import collect, wait_gone
+
+
+def test_the_first_cell_right_after_start_runs():
+    with Pool(2) as pool:
+        assert pool.execute("rank") == [0, 1]
+
+
+def test_ranks_form_one_process_group_with_torchrun_environment(pool):
+    code = """
+import os, torch.distributed as dist
+t = torch.ones(3) * rank
+dist.all_reduce(t)
+env = {k: os.environ[k] for k in
+       ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+(t.tolist(), dist.get_backend(), env, local_rank, world_size, str(device))
+"""
+    values = pool.execute(code)
+    for rank, (t, backend, env, local_rank, world_size, device) in enumerate(values):
+        assert t == [1.0, 1.0, 1.0]
+        assert backend == "gloo" and device == "cpu"
+        assert (local_rank, world_size) == (rank, 2)
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert int(env["MASTER_PORT"]) > 0
+    assert values[0][2]["MASTER_PORT"] == values[1][2]["MASTER_PORT"]
+
+
+def test_state_persists_across_cells(pool):
+    pool.execute("counter = rank * 100")
+    pool.execute("counter += 1")
+    assert pool.execute("counter") == [1, 101]
+
+
+def test_output_streams_live_per_rank_with_stdout_and_stderr_apart(pool):
+    code = """
+import sys, os, ctypes
+print("py out", rank)
+print("py err", rank, file=sys.stderr)
+os.write(1, b"fd out\\n")
+ctypes.CDLL(None).printf(b"c printf %d\\n", rank)   # C stdio, flushed at cell end
+"""
+    text, _, end = collect(pool.run(code))
+    assert not end.errors
+    for rank in (0, 1):
+        out = text[rank, "stdout"]
+        assert f"py out {rank}\n" in out and "fd out\n" in out and f"c printf {rank}\n" in out
+        assert text[rank, "stderr"] == f"py err {rank}\n"
+
+
+def test_output_arrives_before_the_cell_ends(pool):
+    events = pool.run("import time\nprint('early', flush=True)\ntime.sleep(1.0)")
+    t0 = time.monotonic()
+    for ev in events:
+        if isinstance(ev, P.Output):
+            assert time.monotonic() - t0 < 0.8
+            break
+    for _ in events:
+        pass
+
+
+def test_values_and_selected_ranks(pool):
+    _, seen, end = collect(pool.run("rank * 2", ranks=[1], want_values=True))
+    assert end.values == {1: 2}
+    assert end.ranks == (1,)
+    assert P.RankResult(1, "2") in seen
+    assert not any(getattr(ev, "rank", None) == 0 for ev in seen)
+
+
+def test_a_rank_error_names_rank_type_message_and_cell_lines_and_keeps_state(pool):
+    pool.execute("kept = 'yes'")
+    _, _, end = collect(pool.run("x = 1\nif rank == 1:\n    1 / 0\n'ok'"))
+    assert list(end.errors) == [1]
+    err = end.errors[1]
+    assert (err.exc_type, err.message) == ("ZeroDivisionError", "division by zero")
+    assert 'File "<ddp-cell-' in err.traceback and '", line 3, in <module>' in err.traceback
+    with pytest.raises(CellFailed, match=r"^rank 1: ZeroDivisionError: division by zero$"):
+        raise_for_end(end)
+    assert pool.execute("kept") == ["yes", "yes"]
+
+
+def test_needs_and_imports_are_bound_before_the_cell(pool):
+    def scaled(x):
+        return x * factor + rank  # noqa: F821  (factor and rank live on the rank)
+
+    values = pool.execute(
+        "scaled(data)",
+        needs={"scaled": scaled, "data": 3, "factor": 10},
+        imports="import math; from os import path as ospath",
+    )
+    assert values == [30, 31]
+    assert pool.execute("(math.pi > 3, ospath.sep)") == [(True, "/")] * 2
+
+
+def test_an_unpicklable_value_is_reported_not_lost(pool):
+    _, _, end = collect(pool.run("import threading\nthreading.Lock()", want_values=True))
+    assert sorted(end.errors) == [0, 1]
+    assert "cannot be pickled" in end.errors[0].message
+
+
+def test_output_before_a_death_is_kept_and_the_death_named(pool):
+    code = "import os\nprint('last words', flush=True)\nif rank == 1:\n    os._exit(7)\n"
+    code += "import time\ntime.sleep(30)"
+    t0 = time.monotonic()
+    text, _, end = collect(pool.run(code))
+    assert time.monotonic() - t0 < 10
+    assert text[1, "stdout"] == "last words\n"
+    assert end.exits[1].returncode == 7 and not end.exits[1].stopped_by_pool
+    assert end.exits[0].stopped_by_pool
+    with pytest.raises(CellFailed, match=r"rank 1 died \(exit code 7\)"):
+        raise_for_end(end)
+    assert pool.needs_restart
+    _, _, end = collect(pool.run("rank"))
+    assert any("state was lost" in note or "state is lost" in note for note in end.notes)
+    assert pool.execute("rank") == [0, 1]
+
+
+def test_a_rank_killed_between_cells_is_noticed_at_the_next_cell(pool):
+    os.kill(pool.pids[0], 9)
+    assert wait_gone([pool.pids[0]], zombies=False) == []  # reaped by the fork server
+    _, _, end = collect(pool.run("rank", want_values=True))
+    assert end.values == {0: 0, 1: 1}
+    assert any("rank 0 died (killed by SIGKILL)" in note for note in end.notes)
+
+
+def test_a_timeout_interrupts_and_the_namespace_survives(pool):
+    pool.execute("before = rank")
+    t0 = time.monotonic()
+    _, _, end = collect(pool.run("import time\ntime.sleep(30)", timeout=0.5))
+    assert time.monotonic() - t0 < 5
+    assert end.interrupted == "timeout"
+    with pytest.raises(CellInterrupted, match="cell timed out"):
+        raise_for_end(end)
+    assert pool.execute("before") == [0, 1]
+
+
+def test_interrupt_from_another_thread_stops_an_infinite_loop(pool):
+    threading.Timer(0.5, pool.interrupt).start()
+    _, seen, end = collect(pool.run("while True:\n    pass"))
+    assert end.interrupted == "interrupt"
+    assert P.RankState(0, "interrupted") in seen
+    assert pool.execute("rank") == [0, 1]
+
+
+def test_ranks_that_ignore_the_interrupt_are_stopped_after_the_grace_period():
+    with Pool(2, grace=0.5) as pool:
+        code = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(30)"
+        t0 = time.monotonic()
+        _, _, end = collect(pool.run(code, timeout=0.3))
+        assert time.monotonic() - t0 < 5
+        assert end.interrupted == "timeout"
+        assert any("did not stop within 0.5 s" in note for note in end.notes)
+        assert pool.needs_restart
+        assert pool.execute("rank") == [0, 1]
+
+
+def test_status_reports_every_rank(pool):
+    rows = pool.status()
+    assert [r.rank for r in rows] == [0, 1]
+    for row in rows:
+        assert row.pid in pool.pids and row.host and row.device == "cpu"
+        assert row.state == "idle" and row.uptime >= 0 and row.rss > 10 * 2**20
+
+
+def test_restart_gives_fresh_ranks_through_the_same_fork_server(pool):
+    pool.execute("mine = 1")
+    old = pool.pids
+    server = pool._launcher._proc.pid
+    pool.restart()
+    assert pool._launcher._proc.pid == server
+    assert set(pool.pids).isdisjoint(old)
+    assert wait_gone(old) == []
+    _, _, end = collect(pool.run("mine"))
+    assert end.errors[0].exc_type == "NameError"
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn", "fork"])
+def test_every_start_method_runs_cells_and_stop_leaves_no_process(method):
+    pool = Pool(2, start_method=method).start()
+    pids = pool.pids
+    helper = getattr(getattr(pool._launcher, "_proc", None), "pid", None)
+    assert pool.execute("rank") == [0, 1]
+    pool.stop()
+    assert wait_gone(pids + ([helper] if helper else [])) == []
+
+
+def test_children_a_rank_started_end_with_the_pool():
+    pool = Pool(1).start()
+    (child,) = pool.execute("import subprocess\nsubprocess.Popen(['sleep', '60']).pid")
+    assert psutil.pid_exists(child)
+    pool.stop()
+    assert wait_gone([child]) == []
+
+
+def test_a_rank_that_cannot_start_is_named():
+    with pytest.raises(PoolStartError, match="rank 0 failed to start"):
+        Pool(1, env={"NBDDP_BACKEND": "nccl"}, start_method="fork").start()
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="at least|>= 1"):
+        Pool(0)
+    with pytest.raises(ValueError, match="unknown start method"):
+        Pool(2, start_method="thread")
