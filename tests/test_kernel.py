@@ -1,0 +1,132 @@
+"""End to end through a real Jupyter kernel (jupyter_client): what a notebook user sees."""
+
+from __future__ import annotations
+
+import ast
+import os
+import queue
+import signal
+import time
+
+import pytest
+from helpers import wait_gone
+from jupyter_client.manager import start_new_kernel
+
+pytestmark = pytest.mark.kernel
+
+
+@pytest.fixture
+def kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
+    try:
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+
+
+class Reply:
+    def __init__(self) -> None:
+        self.stdout = ""
+        self.stderr = ""
+        self.error: dict | None = None
+
+    @property
+    def text(self) -> str:
+        return self.stdout + self.stderr
+
+
+def execute(kc, code: str, timeout: float = 60, on_output=None) -> Reply:
+    """Run ``code``; gather stream output and the error until the kernel is idle again."""
+    msg_id = kc.execute(code)
+    reply = Reply()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError(f"no idle after {timeout} s; so far: {reply.text!r}") from None
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            setattr(reply, content["name"], getattr(reply, content["name"]) + content["text"])
+            if on_output:
+                on_output(reply)
+        elif kind == "error":
+            reply.error = content
+        elif kind == "status" and content["execution_state"] == "idle":
+            return reply
+
+
+def pool_pids(kc) -> list[int]:
+    r = execute(
+        kc,
+        "from nbddp.magics import _MAGICS\n"
+        "_p = next(iter(_MAGICS.values())).pool\n"
+        "print(_p.pids + [_p._launcher._proc.pid])",
+    )
+    return ast.literal_eval(r.stdout.strip())
+
+
+def test_the_core_example_in_a_kernel_and_shutdown_leaves_nothing(kernel):
+    km, kc = kernel
+    assert execute(kc, "%load_ext nbddp").error is None
+    r = execute(
+        kc,
+        '%%ddp -n 2 --imports "import torch.distributed as dist"\n'
+        "t = torch.ones(3) * rank\ndist.all_reduce(t)\nprint(t)",
+    )
+    assert r.error is None, r.text
+    assert "[rank 0] tensor([1., 1., 1.])" in r.stdout
+    assert "[rank 1] tensor([1., 1., 1.])" in r.stdout
+    r = execute(kc, "%%ddp\nprint(t.sum())")
+    assert "[rank 0] tensor(3.)" in r.stdout and "[rank 1] tensor(3.)" in r.stdout
+    execute(kc, "import torch\ndef loss(y): return (y ** 2).mean()\ndata = torch.randn(8)")
+    r = execute(kc, "%%ddp --need loss,data --out vals\nloss(data) + rank")
+    assert r.error is None, r.text
+    r = execute(kc, "print(bool(torch.allclose(vals[1] - vals[0], torch.tensor(1.0))), "
+                    "bool(torch.allclose(vals[0], loss(data))))")
+    assert r.stdout.strip() == "True True"
+    r = execute(kc, "%%ddp\n1 / (rank - 1)")
+    assert r.error["ename"] == "CellFailed"
+    assert "rank 1: ZeroDivisionError: division by zero" in r.error["evalue"]
+    assert any("<ddp-cell-" in line for line in r.error["traceback"])
+    pids = pool_pids(kc)
+    km.shutdown_kernel(now=False)
+    assert wait_gone(pids) == []
+
+
+def test_the_stop_button_interrupts_the_ranks_and_keeps_their_state(kernel):
+    km, kc = kernel
+    execute(kc, "%load_ext nbddp")
+    execute(kc, "%%ddp -n 2\nkept = rank + 10")
+    started = []
+
+    def interrupt_once_running(reply):
+        if "[rank 0] sleeping" in reply.stdout and "[rank 1] sleeping" in reply.stdout and not started:
+            started.append(time.monotonic())
+            km.interrupt_kernel()
+
+    t0 = time.monotonic()
+    r = execute(kc, "%%ddp\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)",
+                on_output=interrupt_once_running)
+    assert started, r.text
+    assert time.monotonic() - t0 < 20
+    assert r.error["ename"] == "CellInterrupted", r.error
+    r = execute(kc, "%%ddp\nprint('kept', kept)")
+    assert r.error is None
+    assert "[rank 0] kept 10" in r.stdout and "[rank 1] kept 11" in r.stdout
+    execute(kc, "%ddp stop")
+
+
+def test_a_killed_kernel_leaves_no_worker_behind(kernel):
+    km, kc = kernel
+    execute(kc, "%load_ext nbddp")
+    execute(kc, "%%ddp -n 2\nx = 1")
+    pids = pool_pids(kc)
+    os.kill(km.provisioner.process.pid, signal.SIGKILL)
+    assert wait_gone(pids) == []

@@ -1,0 +1,173 @@
+"""%%ddp and %ddp through a real IPython InteractiveShell and real ranks."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import wait_gone
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+
+@pytest.fixture(scope="module")
+def shell():
+    sh = InteractiveShell.instance()
+    sh.run_cell("%load_ext nbddp")
+    yield sh
+    sh.run_cell("%ddp stop")
+    sh.run_cell("%unload_ext nbddp")
+
+
+@pytest.fixture
+def run(shell, capsys):
+    """Run a cell; return (result, everything it printed)."""
+
+    def _run(cell: str):
+        capsys.readouterr()
+        result = shell.run_cell(cell)
+        captured = capsys.readouterr()
+        return result, captured.out + captured.err
+
+    return _run
+
+
+def magics(shell):
+    from nbddp.magics import _MAGICS
+
+    return _MAGICS[id(shell)]
+
+
+def test_the_core_example_end_to_end(shell, run):
+    result, out = run(
+        '%%ddp -n 2 --imports "import torch.distributed as dist"\n'
+        "t = torch.ones(3) * rank\n"
+        "dist.all_reduce(t)\n"
+        "print(t)"
+    )
+    assert result.success, out
+    assert "[rank 0] tensor([1., 1., 1.])" in out and "[rank 1] tensor([1., 1., 1.])" in out
+
+    result, out = run("%%ddp\nprint(t.sum())")
+    assert result.success and "[rank 0] tensor(3.)" in out and "[rank 1] tensor(3.)" in out
+
+    run("import torch\ndef loss(y): return (y ** 2).mean()\ndata = torch.randn(8)")
+    result, out = run("%%ddp --need loss,data --out vals\nloss(data) + rank")
+    assert result.success, out
+    expected = shell.user_ns["loss"](shell.user_ns["data"])
+    vals = shell.user_ns["vals"]
+    assert len(vals) == 2
+    assert float(vals[0]) == pytest.approx(float(expected))
+    assert float(vals[1]) == pytest.approx(float(expected) + 1)
+
+    result, out = run("%ddp status")
+    lines = out.strip().splitlines()
+    assert lines[0].split() == ["rank", "pid", "host", "device", "state", "uptime", "rss"]
+    pids = magics(shell).pool.pids
+    assert [line.split()[:2] for line in lines[1:]] == [["0", str(pids[0])], ["1", str(pids[1])]]
+    assert all(" idle " in line and "MiB" in line for line in lines[1:])
+
+    result, out = run("%ddp restart")
+    assert result.success and "restarted 2 ranks" in out
+    assert wait_gone(pids) == []
+    new_pids = magics(shell).pool.pids
+    result, out = run("%%ddp\nprint(rank)")
+    assert result.success and "[rank 1] 1" in out
+
+    result, out = run("%ddp stop")
+    assert "stopped the pool" in out
+    assert wait_gone(new_pids) == []
+
+
+def test_a_rank_error_fails_the_cell_with_each_ranks_traceback(run):
+    result, out = run("%%ddp -n 2\nx = 1\nif rank == 1:\n    1 / 0")
+    assert not result.success
+    assert "rank 1: ZeroDivisionError: division by zero" in str(result.error_in_exec)
+    assert "--- rank 1 ---" in out
+    assert 'File "<ddp-cell-' in out and "line 3, in <module>" in out
+    assert "CellFailed: rank 1: ZeroDivisionError: division by zero" in out
+    assert "--- rank 0 ---" not in out
+
+
+BAD_INPUT = [
+    ("%%ddp -n 0\nmarker = 1", "world size must be at least 1"),
+    ("%%ddp -n abc\nmarker = 1", "must be a whole number, not 'abc'"),
+    ("%%ddp --bogus\nmarker = 1", "unrecognized arguments: --bogus"),
+    ("%%ddp --need nope\nmarker = 1", "name 'nope' is not defined in the notebook"),
+    ("%%ddp --need lock\nmarker = 1", "cannot ship 'lock' (lock) to the ranks"),
+    ('%%ddp --imports "x = 1"\nmarker = 1', "import statements only"),
+    ("%%ddp --ranks 7\nmarker = 1", "no rank 7 in a pool of 2"),
+    ("%%ddp --ranks x\nmarker = 1", "ranks like 0,2-3"),
+    ("%%ddp --out 1x\nmarker = 1", "--out takes a variable name"),
+    ("%%ddp --timeout -1\nmarker = 1", "positive number of seconds"),
+    ("%ddp frobnicate", "unknown %ddp command 'frobnicate'"),
+    ("%ddp", "%ddp needs a command"),
+    ("%ddp push nope", "name 'nope' is not defined"),
+    ("%ddp pull x --rank 9", "no rank 9 in a pool of 2"),
+]
+
+
+@pytest.mark.parametrize(("cell", "message"), BAD_INPUT, ids=[c for c, _ in BAD_INPUT])
+def test_bad_input_is_one_line_and_leaves_the_pool_as_it_was(shell, run, cell, message):
+    run("import threading\nlock = threading.Lock()")
+    assert run("%%ddp -n 2\nkept = rank")[0].success
+    pids = magics(shell).pool.pids
+    result, out = run(cell)
+    assert isinstance(result.error_in_exec, UsageError)
+    assert message in out
+    assert "Traceback" not in out and len(out.strip().splitlines()) == 1, out
+    assert magics(shell).pool.pids == pids
+    result, out = run("%%ddp --out k\nkept")
+    assert shell.user_ns["k"] == [0, 1]
+    result, _ = run("%%ddp --out m\n'marker' in globals()")
+    assert shell.user_ns["m"] == [False, False]  # no rank ran the bad cell
+
+
+def test_a_new_size_restarts_the_pool_in_one_line(shell, run):
+    run("%%ddp -n 2\npass")
+    result, out = run("%%ddp -n 1 --out ws\nworld_size")
+    assert result.success
+    assert "restarting the pool with 1 rank" in out
+    assert shell.user_ns["ws"] == [1]
+
+
+def test_ranks_quiet_and_timeout(shell, run):
+    run("%%ddp -n 2\npass")
+    result, out = run("%%ddp --ranks 1 --out r\nprint('only', rank)\nrank")
+    assert "[rank 1] only 1" in out and "[rank 0]" not in out
+    assert shell.user_ns["r"] == [None, 1]
+
+    result, out = run("%%ddp --quiet\nprint('hidden')\nrank")
+    assert result.success and out == ""
+
+    result, out = run("%%ddp --quiet\nprint('shown because', rank)\n1 / rank")
+    assert "[rank 0] shown because 0" in out and "[rank 1] shown" not in out
+
+    result, out = run("%%ddp --timeout 0.5\nimport time\ntime.sleep(30)")
+    assert not result.success and "cell timed out" in out
+    assert run("%%ddp --out alive\nrank")[0].success
+    assert shell.user_ns["alive"] == [0, 1]
+
+
+def test_push_and_pull(shell, run):
+    run("%%ddp -n 2\npass")
+    run("payload = {'a': [1, 2]}\ndef double(x): return 2 * x")
+    result, _ = run("%ddp push payload double --ranks 1")
+    assert result.success
+    assert run("%%ddp --ranks 1 --out got\ndouble(payload['a'])")[0].success
+    assert shell.user_ns["got"] == [None, [1, 2, 1, 2]]
+    run("%%ddp\nmine = rank * 3")
+    assert shell.run_line_magic("ddp", "pull mine") == 0
+    assert shell.run_line_magic("ddp", "pull mine --rank 1") == 3
+    assert shell.run_line_magic("ddp", "pull mine --all") == [0, 3]
+
+
+def test_start_with_options_and_unload_stops_everything(shell, run):
+    result, out = run("%ddp start -n 2 --start-method spawn --timeout 60")
+    assert result.success and "started 2 ranks" in out
+    pool = magics(shell).pool
+    assert pool.start_method == "spawn" and pool.pg_timeout == 60
+    pids = pool.pids
+    run("%unload_ext nbddp")
+    assert wait_gone(pids) == []
+    run("%load_ext nbddp")
+    result, out = run("%ddp status")
+    assert "no pool is running" in out
