@@ -39,7 +39,7 @@ def test_pack_round_trips_functions_by_value():
 
 
 def test_imports_accept_import_statements_only():
-    assert check_imports("import os; from math import (pi,\n tau)") .startswith("import os")
+    assert check_imports("import os; from math import (pi,\n tau)").startswith("import os")
     with pytest.raises(CaptureError, match="import statements only"):
         check_imports("import os; x = 1")
     with pytest.raises(CaptureError, match="not valid Python"):

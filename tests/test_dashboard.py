@@ -44,8 +44,13 @@ def test_output_is_bounded_keeping_the_tail_and_counting_the_rest():
     sink, out, err = make(head=3, tail=2)
     sink.handle(P.Output(0, "stdout", "".join(f"{i}\n" for i in range(10))))
     sink.close(end())
-    assert out.getvalue().splitlines() == ["[rank 0] 0", "[rank 0] 1", "[rank 0] 2",
-                                           "[rank 0] 8", "[rank 0] 9"]
+    assert out.getvalue().splitlines() == [
+        "[rank 0] 0",
+        "[rank 0] 1",
+        "[rank 0] 2",
+        "[rank 0] 8",
+        "[rank 0] 9",
+    ]
     assert err.getvalue() == "[rank 0] ... 5 lines not shown ...\n"
 
 

@@ -9,8 +9,9 @@ import signal
 import time
 
 import pytest
-from helpers import wait_gone
 from jupyter_client.manager import start_new_kernel
+
+from helpers import wait_gone
 
 pytestmark = pytest.mark.kernel
 
@@ -88,8 +89,11 @@ def test_the_core_example_in_a_kernel_and_shutdown_leaves_nothing(kernel):
     execute(kc, "import torch\ndef loss(y): return (y ** 2).mean()\ndata = torch.randn(8)")
     r = execute(kc, "%%ddp --need loss,data --out vals\nloss(data) + rank")
     assert r.error is None, r.text
-    r = execute(kc, "print(bool(torch.allclose(vals[1] - vals[0], torch.tensor(1.0))), "
-                    "bool(torch.allclose(vals[0], loss(data))))")
+    r = execute(
+        kc,
+        "print(bool(torch.allclose(vals[1] - vals[0], torch.tensor(1.0))), "
+        "bool(torch.allclose(vals[0], loss(data))))",
+    )
     assert r.stdout.strip() == "True True"
     r = execute(kc, "%%ddp\n1 / (rank - 1)")
     assert r.error["ename"] == "CellFailed"
@@ -107,13 +111,20 @@ def test_the_stop_button_interrupts_the_ranks_and_keeps_their_state(kernel):
     started = []
 
     def interrupt_once_running(reply):
-        if "[rank 0] sleeping" in reply.stdout and "[rank 1] sleeping" in reply.stdout and not started:
+        if (
+            "[rank 0] sleeping" in reply.stdout
+            and "[rank 1] sleeping" in reply.stdout
+            and not started
+        ):
             started.append(time.monotonic())
             km.interrupt_kernel()
 
     t0 = time.monotonic()
-    r = execute(kc, "%%ddp\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)",
-                on_output=interrupt_once_running)
+    r = execute(
+        kc,
+        "%%ddp\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)",
+        on_output=interrupt_once_running,
+    )
     assert started, r.text
     assert time.monotonic() - t0 < 20
     assert r.error["ename"] == "CellInterrupted", r.error

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from helpers import wait_gone
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
+
+from helpers import wait_gone
 
 
 @pytest.fixture(scope="module")

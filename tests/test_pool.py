@@ -9,11 +9,10 @@ import time
 import psutil
 import pytest
 
+from helpers import collect, wait_gone
 from nbddp import CellFailed, CellInterrupted, Pool, PoolStartError
 from nbddp import protocol as P
 from nbddp.pool import raise_for_end
-
-from helpers import collect, wait_gone
 
 
 def test_the_first_cell_right_after_start_runs():
@@ -213,7 +212,7 @@ def test_a_rank_that_cannot_start_is_named():
 
 
 def test_bad_arguments_are_refused():
-    with pytest.raises(ValueError, match="at least|>= 1"):
+    with pytest.raises(ValueError, match=r"at least|>= 1"):
         Pool(0)
     with pytest.raises(ValueError, match="unknown start method"):
         Pool(2, start_method="thread")

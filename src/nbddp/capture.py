@@ -70,9 +70,7 @@ def check_imports(text: str | None) -> str:
         raise CaptureError(f"--imports is not valid Python: {exc.msg}: {text!r}") from None
     for stmt in tree.body:
         if not isinstance(stmt, ast.Import | ast.ImportFrom):
-            raise CaptureError(
-                f"--imports takes import statements only, not {ast.unparse(stmt)!r}"
-            )
+            raise CaptureError(f"--imports takes import statements only, not {ast.unparse(stmt)!r}")
     return text
 
 

@@ -69,8 +69,10 @@ class TextSink:
             self._flush_partial(event.rank)
             lines = event.value_repr.splitlines() or [""]
             self._stream("stdout").write(
-                "".join(f"[rank {event.rank}] {'Out: ' if i == 0 else '     '}{line}\n"
-                        for i, line in enumerate(lines))
+                "".join(
+                    f"[rank {event.rank}] {'Out: ' if i == 0 else '     '}{line}\n"
+                    for i, line in enumerate(lines)
+                )
             )
 
     def _text(self, rank: int, stream: str, text: str) -> None:

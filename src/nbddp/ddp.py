@@ -43,9 +43,7 @@ class DDPContext:
         self.backend = backend or default_backend()
         self.store = store
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
-        self.world_size = (
-            int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-        )
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.timeout = timeout
         self.device = self._pick_device()

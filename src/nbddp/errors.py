@@ -5,7 +5,8 @@
     NbddpError
      +-- PoolStartError      the ranks could not be started (names the rank and why)
      +-- PoolClosedError     the pool was stopped and cannot run cells
-     +-- CaptureError        a --need / --imports / push name cannot be shipped (before any rank runs)
+     +-- CaptureError        a --need / --imports / push name cannot be shipped
+                             (raised before any rank runs)
      +-- CellFailed          a cell failed on one or more ranks; .failures lists them, first first
           +-- CellInterrupted    the cell was interrupted (stop button, Ctrl-C, --timeout)
 

@@ -109,7 +109,7 @@ class _PidfdLauncher(Launcher):
         return list(self._pidfds.values())
 
     def poll(self) -> None:
-        for pid, fd in list(self._pidfds.items()):
+        for pid in list(self._pidfds):
             code = self._reap(pid)
             if code is not None:
                 self.returncodes[pid] = code

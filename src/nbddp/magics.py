@@ -31,7 +31,9 @@ def _world_size(text: str) -> int:
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"the world size must be a whole number, not {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"the world size must be a whole number, not {text!r}"
+        ) from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"the world size must be at least 1, not {n}")
     return n
@@ -41,7 +43,7 @@ def _seconds(text: str) -> float:
     try:
         s = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, not {text!r}")
+        raise argparse.ArgumentTypeError(f"expected seconds, not {text!r}") from None
     if s <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, not {text}")
     return s
@@ -170,8 +172,11 @@ class DDPMagics(Magics):
 
     def _start(self, rest: str) -> None:
         args = parse_argstring(ddp_start, rest)
-        options = {"backend": args.backend, "start_method": args.start_method,
-                   "pg_timeout": args.timeout}
+        options = {
+            "backend": args.backend,
+            "start_method": args.start_method,
+            "pg_timeout": args.timeout,
+        }
         if self.pool is not None:
             self.pool.stop()
             self.pool = None
@@ -185,19 +190,22 @@ class DDPMagics(Magics):
         rows = [("rank", "pid", "host", "device", "state", "uptime", "rss")]
         for s in self.pool.status():
             rss = "-" if s.rss is None else f"{s.rss / 2**20:.0f} MiB"
-            rows.append((str(s.rank), str(s.pid), s.host, s.device, s.state,
-                         f"{s.uptime:.0f} s", rss))
+            rows.append(
+                (str(s.rank), str(s.pid), s.host, s.device, s.state, f"{s.uptime:.0f} s", rss)
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for row in rows:
-            print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
     def _restart(self, rest: str) -> None:
         if self.pool is None:
             raise UsageError("no pool to restart: start one with %ddp start or %%ddp")
         t0 = time.perf_counter()
         self.pool.restart()
-        self._say(f"restarted {self.pool.world_size} ranks in {time.perf_counter() - t0:.2f} s "
-                  "(their state is gone)")
+        self._say(
+            f"restarted {self.pool.world_size} ranks in {time.perf_counter() - t0:.2f} s "
+            "(their state is gone)"
+        )
 
     def _stop(self, rest: str) -> None:
         if self.pool is not None:
@@ -256,7 +264,7 @@ class DDPMagics(Magics):
         self._finish(events, TextSink(quiet=args.quiet), out=args.out)
 
     def _finish(self, events, sink, out: str | None = None) -> P.CellEnd:
-        """Drive the events into the sink (forwarding Ctrl-C to the ranks), then raise on failure."""
+        """Drive events into the sink (passing Ctrl-C on to the ranks); raise on failure."""
         end = None
         while True:
             try:
@@ -299,4 +307,3 @@ def unload(ipython) -> None:
         magics.close()
         ipython.magics_manager.magics["line"].pop("ddp", None)
         ipython.magics_manager.magics["cell"].pop("ddp", None)
-

@@ -191,7 +191,9 @@ class Pool:
 
     @property
     def started(self) -> bool:
-        return bool(self._ranks) and all(r.state in ("idle", "running") for r in self._ranks.values())
+        return bool(self._ranks) and all(
+            r.state in ("idle", "running") for r in self._ranks.values()
+        )
 
     @property
     def needs_restart(self) -> bool:
@@ -717,4 +719,3 @@ def raise_for_end(end: P.CellEnd) -> None:
         raise CellInterrupted(end.interrupted, failures, list(end.notes))
     if failures:
         raise CellFailed(failures, list(end.notes))
-

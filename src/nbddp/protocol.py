@@ -205,8 +205,20 @@ class CellEnd:
 
 # ---------------------------------------------------------------- encoding
 
-_MESSAGES = (Hello, StreamHello, StorePort, Ready, Fatal, Done, StatusReply,
-             JoinGroup, Run, Interrupt, Query, Shutdown)
+_MESSAGES = (
+    Hello,
+    StreamHello,
+    StorePort,
+    Ready,
+    Fatal,
+    Done,
+    StatusReply,
+    JoinGroup,
+    Run,
+    Interrupt,
+    Query,
+    Shutdown,
+)
 
 
 def dumps(msg: object) -> bytes:

@@ -362,7 +362,9 @@ def _read_token(path: str | None) -> bytes:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nbddp.worker", description=__doc__)
-    parser.add_argument("--connect", required=True, help="the notebook's listener: PATH or HOST:PORT")
+    parser.add_argument(
+        "--connect", required=True, help="the notebook's listener: PATH or HOST:PORT"
+    )
     parser.add_argument("--token-file", help="file holding the pool's token (else $NBDDP_TOKEN)")
     parser.add_argument("--connect-timeout", type=float, default=60.0)
     args = parser.parse_args(argv)
