@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import stat
 import threading
 import time
 
@@ -216,3 +218,22 @@ def test_bad_arguments_are_refused():
         Pool(0)
     with pytest.raises(ValueError, match="unknown start method"):
         Pool(2, start_method="thread")
+
+
+def test_nothing_listens_beyond_loopback_and_the_listener_is_private(pool):
+    listener_dir = os.path.dirname(pool._address)
+    assert stat.S_IMODE(os.stat(listener_dir).st_mode) == 0o700
+    assert pool._listener.family == socket.AF_UNIX
+    pool.execute("import torch.distributed as dist\ndist.barrier()")
+    for pid in [*pool.pids, os.getpid()]:
+        for conn in psutil.Process(pid).net_connections(kind="inet"):
+            if conn.status == psutil.CONN_LISTEN:
+                assert conn.laddr.ip in ("127.0.0.1", "::1"), (pid, conn)
+
+
+def test_fork_is_refused_when_cuda_is_initialised_in_the_notebook(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(PoolStartError, match="'fork' is unsafe: CUDA is initialised"):
+        Pool(1, start_method="fork").start()

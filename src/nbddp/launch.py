@@ -23,6 +23,8 @@ import time
 import traceback
 from multiprocessing.connection import Connection, wait
 
+from .errors import PoolStartError
+
 __all__ = ["START_METHODS", "Launcher", "make_launcher"]
 
 START_METHODS = ("forkserver", "spawn", "fork")
@@ -157,7 +159,7 @@ class ForkLauncher(_PidfdLauncher):
     def __init__(self) -> None:
         super().__init__()
         if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
-            raise RuntimeError(
+            raise PoolStartError(
                 "start method 'fork' is unsafe: CUDA is initialised in this notebook "
                 "(use the default 'forkserver', or 'spawn')"
             )
@@ -189,7 +191,7 @@ class ForkServerLauncher(Launcher):
         msg = self._recv(timeout=120)
         if msg is None or "ready" not in msg:
             self.close()
-            raise RuntimeError(f"the fork server did not start (exit code {self._proc.poll()})")
+            raise PoolStartError(f"the fork server did not start (exit code {self._proc.poll()})")
 
     def _recv(self, timeout: float | None) -> dict | None:
         if not self._conn.poll(timeout):
@@ -204,7 +206,7 @@ class ForkServerLauncher(Launcher):
         while True:
             msg = self._recv(timeout=30)
             if msg is None:
-                raise RuntimeError("the fork server stopped answering")
+                raise PoolStartError("the fork server stopped answering")
             if "pid" in msg:
                 return msg["pid"]
             self._pending.append(msg)

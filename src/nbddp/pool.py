@@ -270,6 +270,8 @@ class Pool:
             NBDDP_TOKEN=self._token.decode(),
             MPLBACKEND="Agg",
         )
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # a local pool stays local
+            env.setdefault(var, "lo")
         if self.backend:
             env["NBDDP_BACKEND"] = self.backend
         if self.pg_timeout:

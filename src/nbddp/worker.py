@@ -237,7 +237,17 @@ class Worker:
         store = None
         if self.needs_port:
             if self.rank == 0:
-                store = dist.TCPStore(addr, 0, self.world_size, True, wait_for_workers=False)
+                # bound here, on MASTER_ADDR only: TCPStore alone would listen on every interface
+                self._store_socket = socket.create_server((addr, 0), backlog=1024)
+                port = self._store_socket.getsockname()[1]
+                store = dist.TCPStore(
+                    addr,
+                    port,
+                    self.world_size,
+                    True,
+                    wait_for_workers=False,
+                    master_listen_fd=self._store_socket.fileno(),
+                )
                 self.send(P.StorePort(store.port))
             else:
                 msg = self.inbox.get()

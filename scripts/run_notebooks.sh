@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Regenerate the example notebooks and execute them in place, saving their outputs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/python notebooks/make_notebooks.py
+.venv/bin/python - <<'PY'
+from pathlib import Path
+
+import nbclient
+import nbformat
+
+for path in sorted(Path("notebooks").glob("*.ipynb")):
+    nb = nbformat.read(path, as_version=4)
+    nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": "notebooks"}}
+    ).execute()
+    nbformat.write(nb, path)
+    print("executed", path)
+PY

@@ -1,0 +1,39 @@
+"""Every notebook in notebooks/ runs top to bottom in a real kernel (nbclient)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbclient
+import nbformat
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+pytestmark = pytest.mark.kernel
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs_without_errors(path, tmp_path, monkeypatch):
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    )
+    client.execute()  # raises CellExecutionError on any untagged error
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    for cell in code:
+        expected = "raises-exception" in cell.metadata.get("tags", [])
+        errors = [o for o in cell.outputs if o.output_type == "error"]
+        assert bool(errors) == expected, cell.source
+    outputs = [o for c in code for o in c.outputs]
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "[rank 0]" in text and "[rank 1]" in text
+
+
+def test_saved_notebooks_carry_their_outputs():
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert sum(bool(c.outputs) for c in code) >= len(code) // 2, path.name
