@@ -85,6 +85,7 @@ def ddp_cell(line, cell):
 @argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
 @argument("--start-method", choices=START_METHODS, default="forkserver")
 @argument("--timeout", type=_seconds, help="process-group timeout in seconds")
+@argument("--grace", type=_seconds, help="seconds an interrupted rank gets before a restart (3)")
 def ddp_start(line):
     """Start the pool (restarting it with these options if one runs)."""
 
@@ -122,7 +123,7 @@ class DDPMagics(Magics):
 
         %%ddp [-n N] [--need NAMES] [--imports STMTS] [--ranks RANKS] [--out VAR]
               [--timeout S] [--text] [--quiet]
-        %ddp start [-n N] [--backend gloo|nccl] [--start-method M] [--timeout S]
+        %ddp start [-n N] [--backend gloo|nccl] [--start-method M] [--timeout S] [--grace S]
         %ddp status | restart | stop | interrupt
         %ddp push NAMES [--ranks RANKS]
         x = %ddp pull NAME [--rank R | --all]
@@ -176,6 +177,7 @@ class DDPMagics(Magics):
             "backend": args.backend,
             "start_method": args.start_method,
             "pg_timeout": args.timeout,
+            "grace": args.grace,
         }
         if self.pool is not None:
             self.pool.stop()

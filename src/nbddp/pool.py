@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import codecs
+import contextlib
 import itertools
 import os
 import secrets
@@ -156,6 +157,7 @@ class Pool:
         pg_timeout: float | None = None,
         start_timeout: float = 120.0,
         grace: float = 3.0,
+        abort_after: float = 1.0,
         env: dict[str, str] | None = None,
     ) -> None:
         if not isinstance(n, int) or n < 1:
@@ -172,6 +174,7 @@ class Pool:
         self.pg_timeout = pg_timeout
         self.start_timeout = start_timeout
         self.grace = grace
+        self.abort_after = abort_after
         self.extra_env = dict(env or {})
         self.notes: list[str] = []  # said once, with the next cell
         self._launcher: Launcher | None = None
@@ -186,6 +189,16 @@ class Pool:
         self._interrupt_at: float | None = None
         self._interrupt_reason: str | None = None
         self._closed = False
+        # interrupt() from another thread writes here to wake the pump
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    def __del__(self) -> None:
+        for fd in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     # ------------------------------------------------------------ life cycle
 
@@ -318,7 +331,7 @@ class Pool:
 
     def _pump(self, timeout: float | None) -> list[tuple]:
         """Wait for anything on any connection, stream or sentinel; return what happened."""
-        objs: list = []
+        objs: list = [self._wake_r]
         if self._listener is not None:
             objs.append(self._listener)
         for r in self._ranks.values():
@@ -332,7 +345,10 @@ class Pool:
         ready = wait(objs, timeout)
         items: list[tuple] = []
         for obj in ready:
-            if obj is self._listener:
+            if obj == self._wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+            elif obj is self._listener:
                 self._accept()
             else:
                 items += self._service(obj)
@@ -439,7 +455,6 @@ class Pool:
                         other.send(P.JoinGroup(msg.port))
             elif isinstance(msg, P.Ready):
                 r.state, r.backend, r.device = "idle", msg.backend, msg.device
-                r.started = time.monotonic()
             elif isinstance(msg, P.Fatal):
                 raise PoolStartError(f"rank {rank} failed to start:\n{msg.error.traceback}")
 
@@ -525,6 +540,8 @@ class Pool:
             if run_state.unfinished:  # the consumer gave up on us: leave nothing running
                 self._lost = True
                 self._teardown(keep_launcher=True)
+        if run_state.aborted_at is not None and not self._lost:
+            yield from self._reform(run_state)
         yield run_state.end(self._interrupt_reason, notes + self._take_notes())
 
     def _take_notes(self) -> list[str]:
@@ -538,7 +555,11 @@ class Pool:
         if self._interrupt_at is not None and now >= self._interrupt_at:
             yield from self._stop_stuck(st)
             return
-        limits = [t for t in (deadline, self._interrupt_at) if t is not None]
+        abort_at = self._abort_time(st)
+        if abort_at is not None and now >= abort_at:
+            self._abort_groups(st)
+            abort_at = None
+        limits = [t for t in (deadline, self._interrupt_at, abort_at) if t is not None]
         wait_for = max(0.0, min(limits) - now) if limits else None
         try:
             items = self._pump(wait_for)
@@ -567,7 +588,60 @@ class Pool:
     def _maybe_finish(self, st: _CellState, rank: int):
         if rank in st.done and not st.marks[rank] and rank in st.unfinished:
             st.unfinished.discard(rank)
+            if st.done[rank].status != "ok" and st.failed_at is None:
+                st.failed_at = time.monotonic()
             yield from st.finish(rank)
+
+    # ------------------------------------------------------------ collectives left waiting
+
+    def _abort_time(self, st: _CellState) -> float | None:
+        """When to free ranks that may wait in a collective for a rank that failed."""
+        if st.failed_at is None or st.aborted_at is not None or not st.unfinished:
+            return None
+        wait = self.abort_after
+        if self._interrupt_reason is not None:
+            wait = min(wait, self.grace / 2)
+        return st.failed_at + wait
+
+    def _abort_groups(self, st: _CellState) -> None:
+        """Abort the group on every idle rank: gloo peers blocked with them are freed at once.
+
+        Running ranks are told too; on NCCL they abort from their receiver thread.
+        """
+        st.aborted_at = time.monotonic()
+        st.waiting = sorted(st.unfinished)
+        for r in self._ranks.values():
+            if r.state in ("idle", "running"):
+                r.send(P.AbortGroup())
+
+    def _reform(self, st: _CellState):
+        """Every rank joins a new group; namespaces stay. Fall back to a restart."""
+        t0 = time.monotonic()
+        self._store_port = None
+        for r in self._ranks.values():
+            r.state = "starting"
+            r.send(P.Reform())
+        try:
+            self._handshake(t0 + 60.0)
+        except PoolStartError as exc:
+            self._lost = True
+            self._teardown(keep_launcher=True)
+            self.notes.append(
+                f"re-forming the process group failed ({exc}): the pool "
+                "was stopped and the next cell starts a new one (the ranks' state is lost)"
+            )
+            return
+        backlog, self._backlog = self._backlog, []
+        yield from backlog
+        failed = ", ".join(map(str, st.failed_ranks))
+        waiting = ", ".join(map(str, st.waiting))
+        self.notes.append(
+            f"rank{'s' * (len(st.failed_ranks) > 1)} {failed} stopped while rank"
+            f"{'s' * (len(st.waiting) > 1)} {waiting} still ran (maybe waiting in a collective): "
+            f"the process group was aborted and re-formed in {time.monotonic() - t0:.2f} s. "
+            "Every rank kept its namespace; objects bound to the old group (DDP models, "
+            "device meshes, subgroups) must be rebuilt"
+        )
 
     def _rank_died(self, st: _CellState, r: _Rank):
         """One rank died: its group is broken, so every other rank is stopped too."""
@@ -631,6 +705,8 @@ class Pool:
         if self._interrupt_reason is None:
             self._interrupt_reason = reason
             self._interrupt_at = time.monotonic() + self.grace
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"!")
 
     def execute(self, code: str, **kwargs) -> list[object]:
         """Run ``code`` and return the last expression's value by rank; raise on failure.
@@ -685,9 +761,16 @@ class _CellState:
         self.unfinished = set(targets)
         self.marks = {r: {"stdout", "stderr"} for r in targets}
         self.done: dict[int, P.Done] = {}
+        self.failed_at: float | None = None  # when the first rank ended in error or interrupt
+        self.aborted_at: float | None = None
+        self.waiting: list[int] = []  # ranks still running when the group was aborted
         self.values: dict[int, object] = {}
         self.errors: dict[int, P.ErrorInfo] = {}
         self.exits: dict[int, P.RankExit] = {}
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return [r for r, d in self.done.items() if d.status != "ok" and r not in self.waiting]
 
     def finish(self, rank: int):
         done = self.done[rank]

@@ -23,6 +23,8 @@ Timeline of a pool::
     bytes on stdout/stderr ------------->
     end markers, then Done ------------->
                   <--------------------- Interrupt | Query | Shutdown (any time)
+                  <--------------------- AbortGroup, Reform   (after a failure left peers
+                                                               blocked in a collective)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "AbortGroup",
     "CellEnd",
     "Done",
     "ErrorInfo",
@@ -46,6 +49,7 @@ __all__ = [
     "RankResult",
     "RankState",
     "Ready",
+    "Reform",
     "Run",
     "Shutdown",
     "StatusReply",
@@ -150,6 +154,16 @@ class Interrupt:
 
 
 @dataclass(frozen=True)
+class AbortGroup:
+    """Abort this rank's process group, freeing peers blocked in a collective with it."""
+
+
+@dataclass(frozen=True)
+class Reform:
+    """Form a new default process group (rank 0 opens a new store), keeping the namespace."""
+
+
+@dataclass(frozen=True)
 class Query:
     pass
 
@@ -216,6 +230,8 @@ _MESSAGES = (
     JoinGroup,
     Run,
     Interrupt,
+    AbortGroup,
+    Reform,
     Query,
     Shutdown,
 )

@@ -18,6 +18,7 @@ import ast
 import builtins
 import contextlib
 import ctypes
+import faulthandler
 import io
 import linecache
 import os
@@ -66,8 +67,15 @@ def error_info(exc: BaseException) -> P.ErrorInfo:
     tb = exc.__traceback__
     while tb is not None and not tb.tb_frame.f_code.co_filename.startswith(CELL_PREFIX):
         tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
-    return P.ErrorInfo(type(exc).__qualname__, str(exc), text)
+    try:
+        message = str(exc)
+    except Exception as err:  # an exception whose __str__ fails still gets reported
+        message = f"<str() of the exception failed: {type(err).__name__}: {err}>"
+    try:
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+    except Exception:
+        text = f"{type(exc).__qualname__}: {message}\n"
+    return P.ErrorInfo(type(exc).__qualname__, message, text)
 
 
 def adopt(obj: object, namespace: dict) -> object:
@@ -157,6 +165,7 @@ class Worker:
         self.inbox: queue.Queue = queue.Queue()
         self.send_lock = threading.Lock()
         self.running = False
+        self.backend = ""
         self.device = "cpu"
         self.namespace: dict = {}
 
@@ -187,6 +196,9 @@ class Worker:
                 self.send(P.StatusReply(psutil.Process().memory_info().rss, self.device))
             elif isinstance(msg, P.Shutdown):
                 self._exit(0)
+            elif isinstance(msg, P.AbortGroup) and self.running:
+                if self.backend == "nccl":  # NCCL's abort is meant to be called from another thread
+                    self._abort_group()
             else:
                 self.inbox.put(msg)
 
@@ -232,21 +244,23 @@ class Worker:
         sys.stdout = _LineWriter(1, "<stdout>")
         sys.stderr = _LineWriter(2, "<stderr>")
 
-    def _join_group(self) -> None:
+    def _join_group(self, fresh: bool = False) -> DDPContext:
+        """Join the default group; ``fresh``: on a new store even under torchrun."""
         addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         store = None
-        if self.needs_port:
+        if self.needs_port or fresh:
             if self.rank == 0:
-                # bound here, on MASTER_ADDR only: TCPStore alone would listen on every interface
-                self._store_socket = socket.create_server((addr, 0), backlog=1024)
-                port = self._store_socket.getsockname()[1]
+                # bound here, on MASTER_ADDR only: TCPStore alone would listen on every
+                # interface. The store owns the socket from now on (and closes it).
+                listening = socket.create_server((addr, 0), backlog=1024)
+                port = listening.getsockname()[1]
                 store = dist.TCPStore(
                     addr,
                     port,
                     self.world_size,
                     True,
                     wait_for_workers=False,
-                    master_listen_fd=self._store_socket.fileno(),
+                    master_listen_fd=listening.detach(),
                 )
                 self.send(P.StorePort(store.port))
             else:
@@ -263,9 +277,27 @@ class Worker:
             timeout=float(timeout) if timeout else None,
         )
         ctx.__enter__()
-        self.device = str(ctx.device)
-        self._make_namespace(ctx)
-        self.send(P.Ready(ctx.backend, self.device))
+        self.backend, self.device = ctx.backend, str(ctx.device)
+        return ctx
+
+    def _abort_group(self) -> None:
+        """Abort the default group: peers blocked in a collective with this rank are freed."""
+        try:
+            if dist.is_initialized():
+                abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+                abort() if abort is not None else dist.destroy_process_group()
+        except Exception:
+            traceback.print_exc()
+
+    def _reform(self) -> None:
+        """A new default group on a new store; the namespace (and its stale objects) stays."""
+        self._abort_group()
+        try:
+            self._join_group(fresh=True)
+        except BaseException as exc:
+            self.send(P.Fatal(error_info(exc)))
+            self._exit(1)
+        self.send(P.Ready(self.backend, self.device))
 
     def _make_namespace(self, ctx: DDPContext) -> None:
         """The rank's persistent namespace: it is ``__main__``, so pickle finds cell classes."""
@@ -346,15 +378,21 @@ class Worker:
         self._hello()
         threading.Thread(target=self._receive_loop, name="nbddp-receiver", daemon=True).start()
         self._connect_streams()
+        faulthandler.enable()  # a crash prints the Python stack to the notebook before dying
         try:
-            self._join_group()
+            self._make_namespace(self._join_group())
         except BaseException as exc:
             self.send(P.Fatal(error_info(exc)))
             self._exit(1)
+        self.send(P.Ready(self.backend, self.device))
         while True:
             msg = self.inbox.get()
             if isinstance(msg, P.Run):
                 self._run(msg)
+            elif isinstance(msg, P.AbortGroup):
+                self._abort_group()
+            elif isinstance(msg, P.Reform):
+                self._reform()
 
 
 # ---------------------------------------------------------------- entry point
