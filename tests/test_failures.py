@@ -124,6 +124,13 @@ CASES = [
         interrupt_after=0.5,
     ),
     Case(
+        "peer finished, rank waits in a collective + interrupt",
+        COLLECTIVE + "if rank == 0:\n    dist.barrier()",
+        r"cell interrupted",
+        True,
+        interrupt_after=0.5,
+    ),
+    Case(
         "stuck in C ignoring SIGINT + interrupt",
         "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)",
         r"cell interrupted\nranks 0, 1 did not stop within 3 s of the interrupt",
@@ -170,7 +177,7 @@ def test_a_collective_failure_says_the_group_was_re_formed(matrix_pool):
     code = COLLECTIVE + "if rank == 1:\n    raise ValueError('x')\ndist.barrier()"
     _, _, end = collect(matrix_pool.run(code))
     (note,) = end.notes
-    assert "rank 1 stopped while rank 0 still ran" in note
+    assert "rank 1 had stopped while rank 0 still ran" in note
     assert "re-formed" in note and "kept its namespace" in note and "DDP models" in note
 
 
@@ -227,3 +234,18 @@ def test_soak_many_cells_leak_no_fds_threads_or_processes():
         assert all(b <= a + 2 for a, b in zip(fds0, fds1, strict=True)), (fds0, fds1)
         assert threads1 == threads0 and children1 == children0, (before, after)
         assert os.getpid() == me.pid
+
+
+def test_the_process_group_timeout_ends_a_collective_nobody_joins():
+    with Pool(2, pg_timeout=2) as pool:
+        pool.execute("import torch.distributed as dist\nkept = rank")
+        t0 = time.monotonic()
+        _, _, end = collect(pool.run("if rank == 0:\n    dist.barrier()"))
+        assert 2 <= time.monotonic() - t0 < 10
+        assert list(end.errors) == [0] and "Timed out" in end.errors[0].message
+        assert pool.execute("kept") == [0, 1]
+
+
+def test_a_sigkill_death_hints_at_the_oom_killer(matrix_pool):
+    _, _, end = collect(matrix_pool.run("import os\nif rank == 0:\n    os.kill(os.getpid(), 9)"))
+    assert any("out-of-memory killer" in note for note in end.notes)

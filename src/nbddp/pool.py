@@ -595,13 +595,20 @@ class Pool:
     # ------------------------------------------------------------ collectives left waiting
 
     def _abort_time(self, st: _CellState) -> float | None:
-        """When to free ranks that may wait in a collective for a rank that failed."""
-        if st.failed_at is None or st.aborted_at is not None or not st.unfinished:
+        """When to free ranks that may wait in a collective for a rank that stopped.
+
+        ``abort_after`` seconds after a rank of the cell failed, or halfway
+        through the grace period of an interrupt (a peer may have finished
+        normally while this rank waits for it), whichever comes first.
+        """
+        if st.aborted_at is not None or not st.unfinished:
             return None
-        wait = self.abort_after
-        if self._interrupt_reason is not None:
-            wait = min(wait, self.grace / 2)
-        return st.failed_at + wait
+        times = []
+        if st.failed_at is not None:
+            times.append(st.failed_at + self.abort_after)
+        if self._interrupt_at is not None:
+            times.append(self._interrupt_at - self.grace / 2)
+        return min(times) if times else None
 
     def _abort_groups(self, st: _CellState) -> None:
         """Abort the group on every idle rank: gloo peers blocked with them are freed at once.
@@ -636,7 +643,7 @@ class Pool:
         failed = ", ".join(map(str, st.failed_ranks))
         waiting = ", ".join(map(str, st.waiting))
         self.notes.append(
-            f"rank{'s' * (len(st.failed_ranks) > 1)} {failed} stopped while rank"
+            f"rank{'s' * (len(st.failed_ranks) > 1)} {failed} had stopped while rank"
             f"{'s' * (len(st.waiting) > 1)} {waiting} still ran (maybe waiting in a collective): "
             f"the process group was aborted and re-formed in {time.monotonic() - t0:.2f} s. "
             "Every rank kept its namespace; objects bound to the old group (DDP models, "
@@ -656,6 +663,11 @@ class Pool:
         yield P.RankState(r.rank, "dead")
         st.unfinished.discard(r.rank)
         yield from self._stop_others(st, exclude=r.rank)
+        if r.returncode == -signal.SIGKILL:
+            self.notes.append(
+                f"nothing in nbddp sent rank {r.rank} SIGKILL: the usual sender is the "
+                "kernel's out-of-memory killer (see `dmesg`)"
+            )
         self.notes.append(
             "the process group lost a member, so the pool was stopped; "
             "the next cell starts a new one (the ranks' state is lost)"
@@ -770,7 +782,8 @@ class _CellState:
 
     @property
     def failed_ranks(self) -> list[int]:
-        return [r for r, d in self.done.items() if d.status != "ok" and r not in self.waiting]
+        """Ranks that had stopped (failed, interrupted or finished) when the group was aborted."""
+        return [r for r in self.done if r not in self.waiting]
 
     def finish(self, rank: int):
         done = self.done[rank]
