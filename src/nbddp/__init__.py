@@ -18,6 +18,7 @@ from .errors import (
     RankFailed,
 )
 from .pool import Pool, RankStatus
+from .rich import progress
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,7 @@ __all__ = [
     "RankStatus",
     "__version__",
     "load_ipython_extension",
+    "progress",
     "unload_ipython_extension",
 ]
 

@@ -281,7 +281,7 @@ class Pool:
             GROUP_RANK="0",
             MASTER_ADDR="127.0.0.1",
             NBDDP_TOKEN=self._token.decode(),
-            MPLBACKEND="Agg",
+            MPLBACKEND="module://nbddp.mpl_backend",
         )
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # a local pool stays local
             env.setdefault(var, "lo")
@@ -505,12 +505,17 @@ class Pool:
         imports: str = "",
         want_values: bool = False,
         timeout: float | None = None,
+        display_ranks: list[int] | None = None,
+        tick: float | None = None,
     ) -> Iterator[object]:
         """Run ``code`` on ``ranks`` (all by default); yield events, ending with ``CellEnd``.
 
         ``needs`` maps names to objects bound on the ranks before the cell
         (or is already cloudpickled). Interrupt with :meth:`interrupt` (or a
         KeyboardInterrupt while waiting); ``timeout`` seconds behave the same.
+        Rich output (``display``, figures) comes from ``display_ranks`` (rank 0
+        by default). With ``tick``, a ``Tick`` is yielded after that many
+        seconds without any other event.
         """
         self._ensure_running()
         targets = sorted(set(range(self.world_size) if ranks is None else ranks))
@@ -520,22 +525,25 @@ class Pool:
         if isinstance(needs, dict):
             needs = cloudpickle.dumps(needs) if needs else None
         cell = next(self._cells)
-        return self._cell(cell, targets, P.Run(cell, code, imports, needs, want_values), timeout)
+        shown = {0} if display_ranks is None else set(display_ranks)
+        runs = {r: P.Run(cell, code, imports, needs, want_values, r in shown) for r in targets}
+        return self._cell(cell, runs, timeout, tick)
 
-    def _cell(self, cell: int, targets: list[int], run: P.Run, timeout: float | None):
+    def _cell(self, cell: int, runs: dict[int, P.Run], timeout: float | None, tick: float | None):
         notes, self.notes = self.notes, []
         backlog, self._backlog = self._backlog, []
         yield from backlog
-        run_state = _CellState(cell, targets, run.want_value)
+        targets = sorted(runs)
+        run_state = _CellState(cell, targets)
         for rank in targets:
             self._ranks[rank].state = "running"
-            self._ranks[rank].send(run)
+            self._ranks[rank].send(runs[rank])
             yield P.RankState(rank, "running")
         self._interrupt_at = self._interrupt_reason = None
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while run_state.unfinished:
-                yield from self._cell_step(run_state, deadline)
+                yield from self._cell_step(run_state, deadline, tick)
         finally:
             if run_state.unfinished:  # the consumer gave up on us: leave nothing running
                 self._lost = True
@@ -548,7 +556,7 @@ class Pool:
         notes, self.notes = self.notes, []
         return notes
 
-    def _cell_step(self, st: _CellState, deadline: float | None):
+    def _cell_step(self, st: _CellState, deadline: float | None, tick: float | None):
         now = time.monotonic()
         if deadline is not None and now >= deadline and self._interrupt_reason is None:
             self._interrupt("timeout")
@@ -559,13 +567,16 @@ class Pool:
         if abort_at is not None and now >= abort_at:
             self._abort_groups(st)
             abort_at = None
-        limits = [t for t in (deadline, self._interrupt_at, abort_at) if t is not None]
+        tick_at = None if tick is None else now + tick
+        limits = [t for t in (deadline, self._interrupt_at, abort_at, tick_at) if t is not None]
         wait_for = max(0.0, min(limits) - now) if limits else None
         try:
             items = self._pump(wait_for)
         except KeyboardInterrupt:
             self.interrupt()
             return
+        if not items and tick_at is not None and time.monotonic() >= tick_at:
+            yield P.Tick()
         for item in items:
             yield from self._cell_item(st, item)
 
@@ -582,6 +593,10 @@ class Pool:
             st.done[rank] = item[2]
             r.state = "idle"
             yield from self._maybe_finish(st, rank)
+        elif kind == "msg" and isinstance(item[2], P.Display):
+            yield P.RankDisplay(rank, item[2].data, item[2].metadata)
+        elif kind == "msg" and isinstance(item[2], P.Progress):
+            yield P.RankProgress(rank, item[2].done, item[2].total, item[2].desc)
         elif kind == "gone" and r.state != "dead":
             yield from self._rank_died(st, r)
 
@@ -766,10 +781,9 @@ class Pool:
 class _CellState:
     """What one cell is waiting for, and what came back."""
 
-    def __init__(self, cell: int, targets: list[int], want_values: bool) -> None:
+    def __init__(self, cell: int, targets: list[int]) -> None:
         self.cell = cell
         self.targets = targets
-        self.want_values = want_values
         self.unfinished = set(targets)
         self.marks = {r: {"stdout", "stderr"} for r in targets}
         self.done: dict[int, P.Done] = {}

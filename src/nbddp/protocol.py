@@ -37,6 +37,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "AbortGroup",
     "CellEnd",
+    "Display",
     "Done",
     "ErrorInfo",
     "Fatal",
@@ -44,8 +45,11 @@ __all__ = [
     "Interrupt",
     "JoinGroup",
     "Output",
+    "Progress",
     "Query",
+    "RankDisplay",
     "RankExit",
+    "RankProgress",
     "RankResult",
     "RankState",
     "Ready",
@@ -55,6 +59,7 @@ __all__ = [
     "StatusReply",
     "StorePort",
     "StreamHello",
+    "Tick",
     "dumps",
     "end_marker",
     "loads",
@@ -126,6 +131,23 @@ class Done:
 
 
 @dataclass(frozen=True)
+class Display:
+    """Rich output from a rank: ``display(obj)``, a matplotlib figure, a rich last value."""
+
+    data: dict  # mime type -> content, as IPython's display formatter gives it
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """``nbddp.progress`` on a rank: ``done`` of ``total`` (None when unknown)."""
+
+    done: int
+    total: int | None
+    desc: str = ""
+
+
+@dataclass(frozen=True)
 class StatusReply:
     rss: int
     device: str
@@ -146,6 +168,7 @@ class Run:
     imports: str = ""
     needs: bytes | None = None  # cloudpickled {name: object}
     want_value: bool = False
+    display: bool = False  # send rich output (display(), figures) from this rank
 
 
 @dataclass(frozen=True)
@@ -196,6 +219,26 @@ class RankResult:
 
 
 @dataclass(frozen=True)
+class RankDisplay:
+    rank: int
+    data: dict
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    rank: int
+    done: int
+    total: int | None
+    desc: str = ""
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Nothing happened for a while; sinks may refresh clocks."""
+
+
+@dataclass(frozen=True)
 class RankExit:
     """A rank's process ended while it was wanted (died, or was stopped by the pool)."""
 
@@ -226,6 +269,8 @@ _MESSAGES = (
     Ready,
     Fatal,
     Done,
+    Display,
+    Progress,
     StatusReply,
     JoinGroup,
     Run,

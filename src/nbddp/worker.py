@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from . import protocol as P
+from . import rich
 from .ddp import DDPContext, default_backend
 
 __all__ = ["Worker", "main", "run_code"]
@@ -103,6 +104,14 @@ def adopt(obj: object, namespace: dict) -> object:
             if isinstance(member, types.FunctionType):
                 setattr(obj, name, adopt(member, namespace))
     return obj
+
+
+def _open_figure_managers() -> list:
+    if "matplotlib.pyplot" not in sys.modules:
+        return []
+    from matplotlib._pylab_helpers import Gcf
+
+    return Gcf.get_all_fig_managers()
 
 
 def parse_address(address: str) -> tuple[str | tuple[str, int], str]:
@@ -304,6 +313,7 @@ class Worker:
         main = types.ModuleType("__main__")
         main.__dict__.update(
             __builtins__=builtins,
+            display=rich.display,
             torch=torch,
             rank=ctx.rank,
             local_rank=ctx.local_rank,
@@ -318,6 +328,7 @@ class Worker:
     def _run(self, msg: P.Run) -> None:
         filename = f"{CELL_PREFIX}cell-{msg.cell}>"
         status, value, error = "ok", None, None
+        rich.set_displaying(msg.display)
         self.running = True
         try:
             if msg.imports:
@@ -335,8 +346,21 @@ class Worker:
             status, error = "error", error_info(exc)
         finally:
             self.running = False
+        self._show(value if status == "ok" else None)
         self._end_streams(msg.cell)
         self.send(self._done(msg, status, value, error))
+
+    def _show(self, value: object) -> None:
+        """Like IPython's inline backend: a rich last value, then open figures, are shown."""
+        try:
+            bundle = rich.rich_bundle(value) if value is not None else None
+            if bundle is not None and rich._displaying:
+                figures = [m.canvas.figure for m in _open_figure_managers()]
+                if value not in figures:
+                    self.send(P.Display(*bundle))
+            rich.show_figures()
+        except Exception:
+            traceback.print_exc()
 
     def _done(self, msg: P.Run, status: str, value: object, error: P.ErrorInfo | None) -> P.Done:
         if status != "ok" or value is None:
@@ -375,6 +399,7 @@ class Worker:
 
     def serve(self) -> int:
         signal.signal(signal.SIGINT, self._on_sigint)
+        rich.attach(self.send)
         self._hello()
         threading.Thread(target=self._receive_loop, name="nbddp-receiver", daemon=True).start()
         self._connect_streams()
