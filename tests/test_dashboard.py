@@ -3,7 +3,7 @@ from __future__ import annotations
 import io
 
 from nbddp import protocol as P
-from nbddp.dashboard import TextSink
+from nbddp.dashboard import Dashboard, TextSink
 
 
 def make(**kw):
@@ -74,3 +74,126 @@ def test_quiet_shows_the_failed_ranks_output():
     sink.handle(P.Output(1, "stdout", "before the error\n"))
     sink.close(end(errors=[1]))
     assert out.getvalue() == "[rank 1] before the error\n"
+
+
+# ---------------------------------------------------------------- the widget dashboard
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def dashboard(ranks=(0, 1), **kw):
+    clock = Clock()
+    d = Dashboard(
+        list(ranks), world_size=len(ranks), backend="gloo", devices="cpu", clock=clock, **kw
+    )
+    return d, clock
+
+
+def test_rows_show_state_elapsed_and_last_line():
+    d, clock = dashboard()
+    d.handle(P.RankState(0, "running"))
+    d.handle(P.RankState(1, "running"))
+    d.handle(P.Output(0, "stdout", "epoch 1\nepoch 2\n"))
+    clock.t = 1.5
+    d.handle(P.RankState(0, "done"))
+    d.close(P.CellEnd(1, (0, 1)))
+    assert "nbddp-row nbddp-done" in d.table.value and "nbddp-row nbddp-running" in d.table.value
+    assert "1.5 s" in d.table.value and "epoch 2" in d.table.value
+    assert "2 of 2 ranks" in d.header.value and "gloo" in d.header.value
+
+
+def test_a_failed_rank_turns_red_and_its_pane_opens():
+    d, _ = dashboard(ranks=(0, 1, 2))
+    for r in (0, 1, 2):
+        d.handle(P.RankState(r, "running"))
+    d.handle(P.Output(2, "stderr", "Traceback ...\n"))
+    d.handle(P.RankState(2, "failed"))
+    d.handle(P.RankState(1, "failed"))  # the first failure keeps its pane open
+    d.close(P.CellEnd(1, (0, 1, 2), errors={2: P.ErrorInfo("E", "m", "tb")}))
+    assert d.tabs.selected_index == 3 and d.tabs.titles[3] == "rank 2"
+    row = d.table.value.split("data-rank='2'")[1].split("</tr>")[0]
+    assert "background:#fde7e7" in row and "#c62828" in row
+    assert "failed" in d.header.value
+
+
+def test_stdout_and_stderr_are_told_apart_and_all_ranks_interleave_with_labels():
+    d, _ = dashboard()
+    d.handle(P.Output(0, "stdout", "out0\n"))
+    d.handle(P.Output(1, "stderr", "err1\n"))
+    d.close(P.CellEnd(1, (0, 1)))
+    assert "<span style='color:#b71c1c'>err1</span>" in d.panes[2].value
+    assert "out0\n" in d.panes[1].value and "err1" not in d.panes[1].value
+    everything = d.panes[0].value
+    assert everything.index("[0] out0") < everything.index("[1] err1")
+
+
+def test_renders_are_throttled_however_much_arrives():
+    d, clock = dashboard(interval=0.25)
+    changes = []
+    for widget in (d.header, d.table, *d.panes):
+        widget.observe(lambda change: changes.append(change), names="value")
+    for i in range(100_000):  # 2 simulated seconds of output
+        d.handle(P.Output(i % 2, "stdout", f"{i}\n"))
+        clock.t += 2 / 100_000
+    d.close(P.CellEnd(1, (0, 1)))
+    assert d.renders <= 2 / 0.25 + 2
+    # each render sends the header, the table, the interleaved pane and one rank pane
+    assert len(changes) <= 4 * d.renders + 2
+
+
+def test_panes_keep_a_bounded_tail_and_count_what_they_dropped():
+    d, _ = dashboard(ranks=(0,), keep=100)
+    d.handle(P.Output(0, "stdout", "".join(f"line {i}\n" for i in range(250))))
+    d.close(P.CellEnd(1, (0,)))
+    pane = d.panes[1].value
+    assert "… 150 earlier lines not shown" in pane
+    assert "line 149\n" not in pane and "line 150\n" in pane and "line 249\n" in pane
+
+
+def test_while_running_a_pane_shows_its_live_tail():
+    d, clock = dashboard(ranks=(0,))
+    d.handle(P.Output(0, "stdout", "".join(f"line {i}\n" for i in range(1000))))
+    clock.t = 1.0
+    d.handle(P.Output(0, "stdout", "more\n"))
+    assert "601 earlier lines not shown (all kept lines show when the cell ends)" in (
+        d.panes[1].value
+    )
+    assert "more\n" in d.panes[1].value
+
+
+def test_a_progress_bar_with_carriage_returns_is_one_updating_line():
+    d, clock = dashboard(ranks=(0,))
+    d.handle(P.Output(0, "stdout", "train:  10%|#    |\r"))
+    clock.t = 1.0
+    d.handle(P.Output(0, "stdout", "train:  50%|##   |\r"))
+    assert "train:  50%" in d.table.value and "train:  10%" not in d.table.value
+    d.handle(P.Output(0, "stdout", "train: 100%|#####|\n"))
+    d.close(P.CellEnd(1, (0,)))
+    assert d.panes[1].value.count("train:") == 1 and "100%" in d.panes[1].value
+
+
+def test_nbddp_progress_shows_as_a_bar_in_the_row():
+    d, clock = dashboard(ranks=(0,))
+    clock.t = 1.0
+    d.handle(P.RankProgress(0, 25, 100, "steps"))
+    assert "width:25%" in d.table.value and "steps 25/100" in d.table.value
+
+
+def test_the_saved_output_is_the_widget_with_a_static_summary_beside_it():
+    d, _ = dashboard()
+    d.handle(P.Output(0, "stdout", "hello from 0\n"))
+    d.handle(P.Output(1, "stdout", "hello from 1\n"))
+    d.handle(P.RankState(1, "failed"))
+    d.close(P.CellEnd(1, (0, 1), errors={1: P.ErrorInfo("E", "m", "tb")}))
+    bundle = d.bundle()
+    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == d.widget.model_id
+    html = bundle["text/html"]
+    assert "hello from 0" in html and "hello from 1" in html
+    assert "<details open><summary>rank 1 log" in html  # the failed rank's log is open
+    assert "rank 1: failed" in bundle["text/plain"]

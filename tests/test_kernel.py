@@ -34,6 +34,13 @@ class Reply:
         self.stdout = ""
         self.stderr = ""
         self.error: dict | None = None
+        self.displays: list[dict] = []  # display_data and update_display_data bundles
+        self.comm_msgs = 0
+        self.iopub = 0
+
+    @property
+    def html(self) -> str:
+        return "".join(d.get("text/html", "") for d in self.displays)
 
     @property
     def text(self) -> str:
@@ -53,7 +60,12 @@ def execute(kc, code: str, timeout: float = 60, on_output=None) -> Reply:
         if msg["parent_header"].get("msg_id") != msg_id:
             continue
         kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream":
+        reply.iopub += 1
+        if kind in ("display_data", "update_display_data"):
+            reply.displays.append(content["data"])
+        elif kind == "comm_msg":
+            reply.comm_msgs += 1
+        elif kind == "stream":
             setattr(reply, content["name"], getattr(reply, content["name"]) + content["text"])
             if on_output:
                 on_output(reply)
@@ -82,12 +94,16 @@ def test_the_core_example_in_a_kernel_and_shutdown_leaves_nothing(kernel):
         "t = torch.ones(3) * rank\ndist.all_reduce(t)\nprint(t)",
     )
     assert r.error is None, r.text
-    assert "[rank 0] tensor([1., 1., 1.])" in r.stdout
-    assert "[rank 1] tensor([1., 1., 1.])" in r.stdout
-    r = execute(kc, "%%ddp\nprint(t.sum())")
+    # the dashboard: a widget, and beside it a static summary that holds both ranks' lines
+    widget = [d for d in r.displays if "application/vnd.jupyter.widget-view+json" in d]
+    assert widget and r.comm_msgs > 0
+    final = r.displays[-1]["text/html"]
+    assert "rank 0 log" in final and "rank 1 log" in final
+    assert final.count("tensor([1., 1., 1.])") >= 2
+    r = execute(kc, "%%ddp --text\nprint(t.sum())")
     assert "[rank 0] tensor(3.)" in r.stdout and "[rank 1] tensor(3.)" in r.stdout
     execute(kc, "import torch\ndef loss(y): return (y ** 2).mean()\ndata = torch.randn(8)")
-    r = execute(kc, "%%ddp --need loss,data --out vals\nloss(data) + rank")
+    r = execute(kc, "%%ddp --need loss,data --out vals --text\nloss(data) + rank")
     assert r.error is None, r.text
     r = execute(
         kc,
@@ -97,6 +113,7 @@ def test_the_core_example_in_a_kernel_and_shutdown_leaves_nothing(kernel):
     assert r.stdout.strip() == "True True"
     r = execute(kc, "%%ddp\n1 / (rank - 1)")
     assert r.error["ename"] == "CellFailed"
+    assert "nbddp-row nbddp-failed" in r.displays[-1]["text/html"]
     assert "rank 1: ZeroDivisionError: division by zero" in r.error["evalue"]
     assert any("<ddp-cell-" in line for line in r.error["traceback"])
     pids = pool_pids(kc)
@@ -122,13 +139,13 @@ def test_the_stop_button_interrupts_the_ranks_and_keeps_their_state(kernel):
     t0 = time.monotonic()
     r = execute(
         kc,
-        "%%ddp\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)",
+        "%%ddp --text\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)",
         on_output=interrupt_once_running,
     )
     assert started, r.text
     assert time.monotonic() - t0 < 20
     assert r.error["ename"] == "CellInterrupted", r.error
-    r = execute(kc, "%%ddp\nprint('kept', kept)")
+    r = execute(kc, "%%ddp --text\nprint('kept', kept)")
     assert r.error is None
     assert "[rank 0] kept 10" in r.stdout and "[rank 1] kept 11" in r.stdout
     execute(kc, "%ddp stop")
@@ -141,3 +158,24 @@ def test_a_killed_kernel_leaves_no_worker_behind(kernel):
     pids = pool_pids(kc)
     os.kill(km.provisioner.process.pid, signal.SIGKILL)
     assert wait_gone(pids) == []
+
+
+def test_rich_output_and_figures_come_from_the_display_ranks(kernel):
+    _, kc = kernel
+    execute(kc, "%load_ext nbddp")
+    r = execute(
+        kc,
+        "%%ddp -n 2\n"
+        "import matplotlib.pyplot as plt\n"
+        "from IPython.display import HTML\n"
+        "plt.plot([1, 2 + rank])\n"
+        "plt.show()\n"
+        "display(HTML(f'<i>from rank {rank}</i>'))",
+    )
+    assert r.error is None, r.text
+    assert len([d for d in r.displays if "image/png" in d]) == 1
+    assert any("<i>from rank 0</i>" in d.get("text/html", "") for d in r.displays)
+    assert not any("<i>from rank 1</i>" in d.get("text/html", "") for d in r.displays)
+    r = execute(kc, "%%ddp --display 1\nfig = plt.figure()\nplt.plot([3, rank])\nfig")
+    assert len([d for d in r.displays if "image/png" in d]) == 1
+    execute(kc, "%ddp stop")

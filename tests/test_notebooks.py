@@ -28,12 +28,16 @@ def test_notebook_runs_without_errors(path, tmp_path, monkeypatch):
         errors = [o for o in cell.outputs if o.output_type == "error"]
         assert bool(errors) == expected, cell.source
     outputs = [o for c in code for o in c.outputs]
-    text = "".join(o.get("text", "") for o in outputs)
-    assert "[rank 0]" in text and "[rank 1]" in text
+    shown = "".join(o.get("text", "") + o.get("data", {}).get("text/html", "") for o in outputs)
+    assert "rank 0" in shown and "rank 1" in shown
 
 
-def test_saved_notebooks_carry_their_outputs():
+def test_saved_notebooks_carry_their_outputs_with_static_dashboards():
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]
         assert sum(bool(c.outputs) for c in code) >= len(code) // 2, path.name
+        ddp = [c for c in code if c.source.startswith("%%ddp") and "--text" not in c.source]
+        for cell in ddp:  # readable without a kernel: the summary beside the widget
+            bundles = [o.data for o in cell.outputs if o.output_type == "display_data"]
+            assert any("nbddp-summary" in b.get("text/html", "") for b in bundles), cell.source

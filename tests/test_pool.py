@@ -237,3 +237,32 @@ def test_fork_is_refused_when_cuda_is_initialised_in_the_notebook(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(PoolStartError, match="'fork' is unsafe: CUDA is initialised"):
         Pool(1, start_method="fork").start()
+
+
+def test_progress_and_rich_output_come_as_events_from_the_display_ranks(pool):
+    code = """
+from nbddp import progress
+for _ in progress(range(3), desc="steps"):
+    pass
+display({"from": rank})
+class Rich:
+    def _repr_html_(self):
+        return f"<b>{rank}</b>"
+Rich()
+"""
+    _, seen, end = collect(pool.run(code, display_ranks=[1]))
+    assert not end.errors
+    assert P.RankProgress(0, 3, 3, "steps") in seen and P.RankProgress(1, 3, 3, "steps") in seen
+    shown = [ev for ev in seen if isinstance(ev, P.RankDisplay)]
+    assert [ev.rank for ev in shown] == [1, 1]
+    assert shown[0].data == {"text/plain": "{'from': 1}"}
+    assert shown[1].data["text/html"] == "<b>1</b>"
+
+
+def test_figures_are_sent_as_png_and_closed(pool):
+    pytest.importorskip("matplotlib")
+    code = "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()\nplt.get_fignums()"
+    _, seen, end = collect(pool.run(code, want_values=True))
+    pngs = [ev for ev in seen if isinstance(ev, P.RankDisplay) and "image/png" in ev.data]
+    assert len(pngs) == 1 and pngs[0].rank == 0
+    assert end.values == {0: [], 1: []}  # every rank closed its figures

@@ -17,7 +17,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from . import capture
 from . import protocol as P
-from .dashboard import TextSink
+from .dashboard import Dashboard, TextSink
 from .errors import CaptureError, CellInterrupted, PoolStartError
 from .launch import START_METHODS
 from .pool import Pool, raise_for_end
@@ -74,7 +74,8 @@ def default_world_size() -> int:
 @argument("--ranks", help="run only on these ranks: '0,2-3'")
 @argument("--out", help="notebook variable that receives each rank's last value, by rank")
 @argument("--timeout", type=_seconds, help="seconds before the cell is interrupted")
-@argument("--text", action="store_true", help="print lines as '[rank N] line'")
+@argument("--display", default="0", help="ranks whose display() and figures are shown ('0')")
+@argument("--text", action="store_true", help="print lines as '[rank N] line', no widgets")
 @argument("--quiet", action="store_true", help="show nothing unless a rank fails")
 def ddp_cell(line, cell):
     """Run the cell on every rank of the pool (``%%ddp``)."""
@@ -122,7 +123,7 @@ class DDPMagics(Magics):
         """Run a cell on a persistent pool of torch.distributed ranks.
 
         %%ddp [-n N] [--need NAMES] [--imports STMTS] [--ranks RANKS] [--out VAR]
-              [--timeout S] [--text] [--quiet]
+              [--timeout S] [--display RANKS] [--text] [--quiet]
         %ddp start [-n N] [--backend gloo|nccl] [--start-method M] [--timeout S] [--grace S]
         %ddp status | restart | stop | interrupt
         %ddp push NAMES [--ranks RANKS]
@@ -247,7 +248,9 @@ class DDPMagics(Magics):
                 capture.collect(capture.split_names(args.need), self.shell.user_ns)
             )
             imports = capture.check_imports(args.imports)
-            ranks = capture.parse_ranks(args.ranks, args.n or (self.pool and self.pool.world_size))
+            size = args.n or (self.pool and self.pool.world_size)
+            ranks = capture.parse_ranks(args.ranks, size)
+            display_ranks = capture.parse_ranks(args.display, size)
         except CaptureError as exc:
             raise UsageError(str(exc)) from None
         if args.out is not None and not args.out.isidentifier():
@@ -255,6 +258,7 @@ class DDPMagics(Magics):
         pool = self._want_pool(args.n)
         if ranks and max(ranks) >= pool.world_size:
             raise UsageError(f"--ranks: no rank {max(ranks)} in a pool of {pool.world_size}")
+        sink = self._sink(pool, ranks, text=args.text, quiet=args.quiet)
         events = pool.run(
             cell,
             ranks=ranks,
@@ -262,8 +266,22 @@ class DDPMagics(Magics):
             imports=imports,
             want_values=args.out is not None,
             timeout=args.timeout,
+            display_ranks=display_ranks,
+            tick=0.5 if isinstance(sink, Dashboard) else None,
         )
-        self._finish(events, TextSink(quiet=args.quiet), out=args.out)
+        self._finish(events, sink, out=args.out)
+
+    def _sink(self, pool: Pool, ranks: list[int] | None, *, text: bool, quiet: bool):
+        """The widget dashboard in a front end with widgets, else ``[rank N]`` lines."""
+        if quiet or text or getattr(self.shell, "kernel", None) is None:
+            return TextSink(quiet=quiet)
+        devices = sorted(set(pool.devices))
+        return Dashboard(
+            list(range(pool.world_size)) if ranks is None else ranks,
+            world_size=pool.world_size,
+            backend=pool.backend_in_use,
+            devices=", ".join(devices) if len(devices) <= 2 else f"{len(devices)} devices",
+        ).show()
 
     def _finish(self, events, sink, out: str | None = None) -> P.CellEnd:
         """Drive events into the sink (passing Ctrl-C on to the ranks); raise on failure."""

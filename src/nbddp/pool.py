@@ -214,6 +214,15 @@ class Pool:
         return self._lost
 
     @property
+    def backend_in_use(self) -> str:
+        """The process group's backend, as the ranks reported it."""
+        return next((r.backend for r in self._ranks.values() if r.backend), self.backend or "")
+
+    @property
+    def devices(self) -> list[str]:
+        return [r.device for r in self._ranks.values()]
+
+    @property
     def pids(self) -> list[int]:
         return [r.pid for r in self._ranks.values()]
 

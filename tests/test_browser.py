@@ -1,0 +1,177 @@
+"""The dashboard in a real browser: JupyterLab on loopback, headless Debian Chromium.
+
+Skipped where /usr/bin/chromium, playwright or jupyterlab is missing; CI
+installs all three (.ci/run). A screenshot is kept in artifacts/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).parent.parent / "artifacts"
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium"),
+    pytest.mark.skipif(
+        shutil.which("jupyter-lab", path=os.path.dirname(sys.executable)) is None,
+        reason="needs jupyterlab (pip install -e '.[browser]')",
+    ),
+]
+playwright = pytest.importorskip("playwright.sync_api", reason="needs playwright")
+
+CELLS = [
+    "%load_ext nbddp",
+    "%%ddp -n 2\n"
+    "import sys\n"
+    "print(f'hello from rank {rank}')\n"
+    "print(f'a warning on rank {rank}', file=sys.stderr)\n"
+    "if rank == 1:\n"
+    "    raise ValueError('rank one is unhappy')",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lab(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    nbformat.write(nb, root / "dash.ipynb")
+    env = dict(os.environ)
+    for var, sub in (
+        ("JUPYTER_CONFIG_DIR", "config"),
+        ("JUPYTER_DATA_DIR", "data"),
+        ("JUPYTER_RUNTIME_DIR", "runtime"),
+        ("IPYTHONDIR", "ipython"),
+    ):
+        env[var] = str(tmp_path / sub)
+    labconfig = tmp_path / "config" / "labconfig"
+    labconfig.mkdir(parents=True)
+    (labconfig / "page_config.json").write_text(
+        json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
+    )
+    port, token = free_port(), secrets.token_hex(16)
+    log = open(tmp_path / "lab.log", "wb")  # noqa: SIM115  (closed in the finally below)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--allow-root",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--LabApp.expose_app_in_browser=True",
+            "--LabApp.news_url=None",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            "--LanguageServerManager.autodetect=False",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "lab.log").read_text()
+            try:
+                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "JupyterLab did not answer in 60 s"
+                time.sleep(0.2)
+        yield f"{base}/lab/tree/dash.ipynb?token={token}", tmp_path
+    finally:
+        proc.terminate()  # the server shuts its kernels (and so the pool) down
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture
+def page(tmp_path):
+    env = dict(
+        os.environ,
+        XDG_CONFIG_HOME=str(tmp_path / "xdg-config"),
+        XDG_CACHE_HOME=str(tmp_path / "xdg-cache"),
+    )
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--disable-gpu", "--disable-quic"], env=env
+        )
+        try:
+            yield browser.new_page(viewport={"width": 1280, "height": 1000})
+        finally:
+            browser.close()
+
+
+@pytest.mark.timeout(300)
+def test_the_dashboard_shows_both_ranks_and_the_failed_row_in_jupyterlab(lab, page):
+    expect = playwright.expect
+    url, _ = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    try:
+        page.goto(url)
+        expect(
+            page.locator(".jp-StatusBar-TextItem", has_text="Python 3 (ipykernel) | Idle")
+        ).to_be_visible(timeout=90_000)
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+        cell = page.locator(".jp-Notebook .jp-Cell").nth(1)
+        error = cell.locator(
+            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+        )
+        expect(error).to_contain_text("rank 1: ValueError: rank one is unhappy", timeout=120_000)
+        ranks = cell.locator(".nbddp-ranks")  # each row ends with the rank's last line
+        expect(ranks).to_contain_text("a warning on rank 0")
+        expect(ranks).to_contain_text("a warning on rank 1")
+        failed = cell.locator(".nbddp-row.nbddp-failed")
+        expect(failed).to_have_count(1)
+        assert failed.get_attribute("data-rank") == "1"
+        background = failed.evaluate("e => getComputedStyle(e).backgroundColor")
+        assert background == "rgb(253, 231, 231)"
+        # the failed rank's pane is the one open, and shows its lines, stderr apart
+        pane = cell.locator(".nbddp-pane:visible")
+        expect(pane).to_contain_text("hello from rank 1")
+        expect(pane.locator("span", has_text="a warning on rank 1")).to_have_css(
+            "color", "rgb(183, 28, 28)"
+        )
+        assert "Loading widget" not in cell.locator(".jp-Cell-outputArea").inner_text()
+        # the "all ranks" tab interleaves both ranks, labelled
+        cell.locator(".lm-TabBar-tab", has_text="all ranks").click()
+        all_pane = cell.locator(".nbddp-pane:visible")
+        expect(all_pane).to_contain_text("[0] hello from rank 0")
+        expect(all_pane).to_contain_text("[1] hello from rank 1")
+    finally:
+        page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
