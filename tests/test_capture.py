@@ -2,10 +2,22 @@ from __future__ import annotations
 
 import threading
 
-import cloudpickle
 import pytest
 
-from nbddp.capture import check_imports, collect, pack, parse_ranks, split_names
+from nbddp import payload
+from nbddp.capture import (
+    check_imports,
+    collect,
+    human,
+    import_statements,
+    names_imported,
+    names_read,
+    pack,
+    parse_ranks,
+    parse_size,
+    select_auto,
+    split_names,
+)
 from nbddp.errors import CaptureError
 
 
@@ -34,7 +46,8 @@ def test_pack_round_trips_functions_by_value():
     def f(x):
         return x + 1
 
-    assert cloudpickle.loads(pack({"f": f}))["f"](1) == 2
+    shipment = pack({"f": f})
+    assert payload.loads(shipment.data)["f"](1) == 2
     assert pack({}) is None
 
 
@@ -53,3 +66,57 @@ def test_ranks_parse_lists_and_ranges():
         parse_ranks("4", 4)
     with pytest.raises(CaptureError, match="ranks like"):
         parse_ranks("a")
+
+
+def test_names_read_are_those_the_cell_uses_but_never_binds():
+    code = (
+        "x = data + 1\n"
+        "def f(a):\n    return a * scale\n"
+        "for i in range(3):\n    y = f(i)\n"
+        "import os\n"
+        "print(os, model(x), [k for k in keys])"
+    )
+    assert names_read(code) == ["data", "range", "print", "scale", "model", "keys"]
+    assert names_read("x = (") == []
+
+
+def test_import_statements_of_notebook_code():
+    code = "import numpy as np\nfrom a.b import (c,\n d)\nx = 1\nfrom __future__ import annotations"
+    assert import_statements(code) == ["import numpy as np", "from a.b import c, d"]
+    assert names_imported(["import numpy as np", "from a.b import c, d", "import os.path"]) == {
+        "np",
+        "c",
+        "d",
+        "os",
+    }
+
+
+def test_sizes_parse_and_print():
+    assert parse_size("100MB") == 100 * 2**20 and parse_size("1.5GB") == int(1.5 * 2**30)
+    assert parse_size("512kb") == 512 * 2**10 and parse_size("3") == 3 * 2**20
+    with pytest.raises(CaptureError, match="not a size"):
+        parse_size("lots")
+    assert human(512) == "512 B" and human(3 * 2**20) == "3.0 MB"
+
+
+def test_auto_selection_rules():
+    import torch
+
+    ns = {
+        "data": 1,
+        "mine": 2,
+        "big": torch.zeros(2**20),
+        "lock": threading.Lock(),
+        "_private": 3,
+        "np": 4,
+        "given": 5,
+    }
+    code = "data, mine, big, lock, _private, np, given, missing, print"
+    chosen, notes = select_auto(
+        code, ns, frozenset({"mine"}), ["given"], limit=2**20, imported={"np"}
+    )
+    assert list(chosen) == ["data"]
+    assert notes == [
+        "big not shipped automatically: 4.0 MB is over the 1.0 MB limit (name it with --need big)",
+        "lock not shipped: cannot pickle it (TypeError: cannot pickle '_thread.lock' object)",
+    ]

@@ -8,10 +8,12 @@ nothing has changed on the ranks.
 from __future__ import annotations
 
 import ast
+import atexit
 import re
+import shutil
+import weakref
 
-import cloudpickle
-
+from . import payload
 from .errors import CaptureError
 
 __all__ = ["check_imports", "collect", "pack", "parse_ranks", "split_names"]
@@ -41,16 +43,31 @@ def collect(names: list[str], namespace: dict) -> dict[str, object]:
     return {n: namespace[n] for n in names}
 
 
-def pack(objects: dict[str, object]) -> bytes | None:
-    """cloudpickle the objects together; on failure, name the one that cannot go and why."""
+_ship_dir: str | None = None
+
+
+def ship_dir() -> str:
+    """This process's private tmpfs directory for shipped tensors (removed at exit)."""
+    global _ship_dir
+    if _ship_dir is None:
+        _ship_dir = payload.shm_dir()
+        atexit.register(shutil.rmtree, _ship_dir, True)
+    return _ship_dir
+
+
+def pack(objects: dict[str, object]) -> payload.Shipment | None:
+    """Pickle the objects once for every rank (big tensors through shared memory).
+
+    On failure, the error names the object that cannot go and why.
+    """
     if not objects:
         return None
     try:
-        return cloudpickle.dumps(objects)
+        return payload.dumps(objects, ship_dir())
     except Exception as whole:
         for name, obj in objects.items():
             try:
-                cloudpickle.dumps(obj)
+                payload.dumps(obj)
             except Exception as exc:
                 raise CaptureError(
                     f"cannot ship {name!r} ({type(obj).__name__}) to the ranks: "
@@ -90,3 +107,165 @@ def parse_ranks(text: str | None, world_size: int | None = None) -> list[int] | 
     if world_size is not None and max(ranks) >= world_size:
         raise CaptureError(f"--ranks: no rank {max(ranks)} in a pool of {world_size}")
     return sorted(ranks)
+
+
+# ---------------------------------------------------------------- automatic capture
+
+NOT_CAPTURED = frozenset({"In", "Out", "exit", "quit", "get_ipython", "display"})
+
+
+def names_imported(statements: list[str]) -> set[str]:
+    """The names import statements bind."""
+    bound: set[str] = set()
+    for stmt in statements:
+        for node in ast.walk(ast.parse(stmt)):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return bound
+
+
+def names_read(code: str) -> list[str]:
+    """Names the cell reads and never binds itself (in order of first use)."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return []  # the ranks report the syntax error
+    bound: set[str] = set()
+    read: dict[str, None] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            if isinstance(node.ctx, ast.Load):
+                read.setdefault(node.id)
+            else:
+                bound.add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return [n for n in read if n not in bound]
+
+
+def import_statements(code: str) -> list[str]:
+    """The top-level import statements of (IPython-transformed) notebook code."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return []
+    return [
+        ast.unparse(node)
+        for node in tree.body
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        and getattr(node, "module", None) != "__future__"
+    ]
+
+
+def size_of(obj: object) -> int:
+    """Bytes ``obj`` would ship as (tensors, arrays and modules without pickling them)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if isinstance(obj, torch.Tensor):
+            return obj.nelement() * obj.element_size()
+        if isinstance(obj, torch.nn.Module):
+            tensors = [*obj.parameters(), *obj.buffers()]
+            return sum(t.nelement() * t.element_size() for t in tensors) + 1024
+    nbytes = getattr(obj, "nbytes", None)
+    if isinstance(nbytes, int) and type(obj).__module__.startswith("numpy"):
+        return nbytes
+    return len(payload.dumps(obj).data)
+
+
+def human(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1024 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GB"
+
+
+def parse_size(text: str) -> int:
+    """``"100MB"``, ``"1.5GB"``, ``"512KB"`` or a number of megabytes -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)?\s*", text, re.I)
+    if not m:
+        raise CaptureError(f"not a size: {text!r} (say 100MB, 1GB, 512KB)")
+    unit = (m.group(2) or "MB").upper().rstrip("B") or "B"
+    return int(float(m.group(1)) * {"B": 1, "K": 2**10, "M": 2**20, "G": 2**30}[unit])
+
+
+class Shipped:
+    """What automatic capture sent to one generation of a pool, to send only what changed.
+
+    An object counts as unchanged while the notebook binds the same object to
+    the name (in-place changes are not seen: ``--need`` ships those).
+    """
+
+    def __init__(self) -> None:
+        self.generation = -1
+        self._sent: dict[str, object] = {}
+
+    def _ref(self, obj: object):
+        try:
+            ref = weakref.ref(obj)
+            return lambda: ref()
+        except TypeError:  # ints, strs, lists, dicts: small, held as they are
+            return lambda: obj
+
+    def unchanged(self, generation: int, name: str, obj: object) -> bool:
+        if generation != self.generation:
+            self.generation, self._sent = generation, {}
+        ref = self._sent.get(name)
+        return ref is not None and ref() is obj
+
+    def sent(self, name: str, obj: object) -> None:
+        self._sent[name] = self._ref(obj)
+
+
+def select_auto(
+    code: str,
+    namespace: dict,
+    on_ranks: frozenset[str],
+    explicit: list[str],
+    limit: int,
+    imported: set[str] = frozenset(),
+) -> tuple[dict[str, object], list[str]]:
+    """What automatic capture ships for ``code``, and one note per name it left behind.
+
+    A name goes when the cell reads it, the notebook has it, and some rank
+    lacks it; never a private or IPython name, never one named with --need or
+    bound by a replayed import (``imported``), never one bigger than ``limit``
+    bytes (--need ships those) or unpicklable.
+    """
+    import builtins
+
+    chosen: dict[str, object] = {}
+    notes: list[str] = []
+    for name in names_read(code):
+        if (
+            name in on_ranks
+            or name in explicit
+            or name in imported
+            or name not in namespace
+            or name.startswith("_")
+            or name in NOT_CAPTURED
+            or hasattr(builtins, name)
+        ):
+            continue
+        obj = namespace[name]
+        try:
+            size = size_of(obj)
+        except Exception as exc:
+            notes.append(f"{name} not shipped: cannot pickle it ({type(exc).__name__}: {exc})")
+            continue
+        if size > limit:
+            notes.append(
+                f"{name} not shipped automatically: {human(size)} is over the "
+                f"{human(limit)} limit (name it with --need {name})"
+            )
+            continue
+        chosen[name] = obj
+    return chosen, notes

@@ -70,6 +70,7 @@ def default_world_size() -> int:
 @magic_arguments()
 @argument("-n", type=_world_size, help="world size (starts or resizes the pool)")
 @argument("--need", default="", help="notebook names to ship to the ranks: 'a,b c'")
+@argument("--no-auto", action="store_true", help="ship only --need names; replay no imports")
 @argument("--imports", default="", help="import statements run on the ranks first")
 @argument("--ranks", help="run only on these ranks: '0,2-3'")
 @argument("--out", help="notebook variable that receives each rank's last value, by rank")
@@ -87,6 +88,8 @@ def ddp_cell(line, cell):
 @argument("--start-method", choices=START_METHODS, default="forkserver")
 @argument("--timeout", type=_seconds, help="process-group timeout in seconds")
 @argument("--grace", type=_seconds, help="seconds an interrupted rank gets before a restart (3)")
+@argument("--no-auto", action="store_true", help="no automatic capture for this pool")
+@argument("--auto-limit", default="100MB", help="largest object captured automatically (100MB)")
 def ddp_start(line):
     """Start the pool (restarting it with these options if one runs)."""
 
@@ -117,6 +120,12 @@ class DDPMagics(Magics):
         super().__init__(shell)
         self.pool: Pool | None = None
         self.options: dict = {}
+        self.auto = True
+        self.auto_limit = 100 * 2**20
+        self.import_log: list[str] = []  # the notebook's import statements, in order
+        self._replayed = (-1, 0)  # (pool generation, imports replayed to all its ranks)
+        self._shipped = capture.Shipped()
+        shell.events.register("post_run_cell", self._record_imports)
 
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None):
@@ -174,6 +183,8 @@ class DDPMagics(Magics):
 
     def _start(self, rest: str) -> None:
         args = parse_argstring(ddp_start, rest)
+        self.auto_limit = capture.parse_size(args.auto_limit)
+        self.auto = not args.no_auto
         options = {
             "backend": args.backend,
             "start_method": args.start_method,
@@ -244,9 +255,8 @@ class DDPMagics(Magics):
     def _cell(self, line: str, cell: str) -> None:
         args = parse_argstring(ddp_cell, line)
         try:
-            payload = capture.pack(
-                capture.collect(capture.split_names(args.need), self.shell.user_ns)
-            )
+            explicit = capture.split_names(args.need)
+            needs = capture.pack(capture.collect(explicit, self.shell.user_ns))
             imports = capture.check_imports(args.imports)
             size = args.n or (self.pool and self.pool.world_size)
             ranks = capture.parse_ranks(args.ranks, size)
@@ -258,11 +268,15 @@ class DDPMagics(Magics):
         pool = self._want_pool(args.n)
         if ranks and max(ranks) >= pool.world_size:
             raise UsageError(f"--ranks: no rank {max(ranks)} in a pool of {pool.world_size}")
+        auto = None
+        if self.auto and not args.no_auto:
+            auto, imports = self._capture(pool, cell, ranks, explicit, needs, imports)
         sink = self._sink(pool, ranks, text=args.text, quiet=args.quiet)
         events = pool.run(
             cell,
             ranks=ranks,
-            needs=payload,
+            needs=needs,
+            auto=auto,
             imports=imports,
             want_values=args.out is not None,
             timeout=args.timeout,
@@ -270,6 +284,53 @@ class DDPMagics(Magics):
             tick=0.5 if isinstance(sink, Dashboard) else None,
         )
         self._finish(events, sink, out=args.out)
+
+    # -- automatic capture
+
+    def _record_imports(self, result) -> None:
+        """After each notebook cell: remember the import statements it ran."""
+        raw = getattr(getattr(result, "info", None), "raw_cell", None) or ""
+        if result.error_in_exec is not None or result.error_before_exec is not None:
+            return
+        if raw.lstrip().startswith("%%"):  # %%ddp cells (and other cell magics) are not ours
+            return
+        for stmt in capture.import_statements(self.shell.transform_cell(raw)):
+            if stmt not in self.import_log:
+                self.import_log.append(stmt)
+
+    def _capture(self, pool: Pool, cell: str, ranks, explicit, needs, imports: str):
+        """Names the cell reads that only the notebook has, and imports to replay; said once."""
+        try:
+            objects, notes = capture.select_auto(
+                cell,
+                self.shell.user_ns,
+                pool.names_on(ranks),
+                explicit,
+                self.auto_limit,
+                capture.names_imported(self.import_log),
+            )
+            objects = {
+                name: obj
+                for name, obj in objects.items()
+                if not self._shipped.unchanged(pool.generation, name, obj)
+            }
+            auto = capture.pack(objects)
+            for name, obj in objects.items():
+                self._shipped.sent(name, obj)
+        except CaptureError as exc:
+            objects, notes, auto = {}, [str(exc)], None
+        generation, done = self._replayed
+        replay = self.import_log[done if generation == pool.generation else 0 :]
+        if ranks is None:
+            self._replayed = (pool.generation, len(self.import_log))
+        said = [f"{n} ({capture.human(capture.size_of(objects[n]))})" for n in objects]
+        if replay:
+            said.append(f"replayed {len(replay)} import{'s' * (len(replay) > 1)}")
+        if said:
+            self._say("shipped " + ", ".join(said) if objects else ", ".join(said))
+        for note in notes:
+            self._say(note)
+        return auto, "\n".join([*replay, imports] if imports else replay)
 
     def _sink(self, pool: Pool, ranks: list[int] | None, *, text: bool, quiet: bool):
         """The widget dashboard in a front end with widgets, else ``[rank N]`` lines."""
@@ -307,6 +368,7 @@ class DDPMagics(Magics):
         return end
 
     def close(self) -> None:
+        self.shell.events.unregister("post_run_cell", self._record_imports)
         if self.pool is not None:
             self.pool.stop()
             self.pool = None

@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
 
-import cloudpickle
-
+from . import capture, payload
 from . import protocol as P
 from .errors import (
     CellFailed,
@@ -118,6 +117,7 @@ class _Rank:
     backend: str = ""
     started: float = field(default_factory=time.monotonic)
     returncode: int | None = None
+    names: frozenset[str] = frozenset()  # the rank's global names, as last reported
 
     def send(self, msg: object) -> bool:
         if self.conn is None or self.state == "dead":
@@ -189,6 +189,7 @@ class Pool:
         self._interrupt_at: float | None = None
         self._interrupt_reason: str | None = None
         self._closed = False
+        self._generation = 0
         # interrupt() from another thread writes here to wake the pump
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -217,6 +218,16 @@ class Pool:
     def backend_in_use(self) -> str:
         """The process group's backend, as the ranks reported it."""
         return next((r.backend for r in self._ranks.values() if r.backend), self.backend or "")
+
+    def names_on(self, ranks: list[int] | None = None) -> frozenset[str]:
+        """Global names every one of ``ranks`` (all by default) has, as last reported."""
+        chosen = [self._ranks[r] for r in (ranks if ranks is not None else self._ranks)]
+        return frozenset.intersection(*(r.names for r in chosen)) if chosen else frozenset()
+
+    @property
+    def generation(self) -> int:
+        """Counts starts: a new generation has ranks with fresh namespaces."""
+        return self._generation
 
     @property
     def devices(self) -> list[str]:
@@ -253,6 +264,7 @@ class Pool:
                 )
                 self._ranks[rank] = _Rank(rank, pid)
             self._handshake(time.monotonic() + self.start_timeout)
+            self._generation += 1
         except BaseException:
             self._teardown(keep_launcher=False)
             raise
@@ -464,6 +476,7 @@ class Pool:
                         other.send(P.JoinGroup(msg.port))
             elif isinstance(msg, P.Ready):
                 r.state, r.backend, r.device = "idle", msg.backend, msg.device
+                r.names = frozenset(msg.names) or r.names
             elif isinstance(msg, P.Fatal):
                 raise PoolStartError(f"rank {rank} failed to start:\n{msg.error.traceback}")
 
@@ -510,7 +523,8 @@ class Pool:
         code: str,
         *,
         ranks: list[int] | None = None,
-        needs: dict[str, object] | bytes | None = None,
+        needs: dict[str, object] | payload.Shipment | None = None,
+        auto: payload.Shipment | None = None,
         imports: str = "",
         want_values: bool = False,
         timeout: float | None = None,
@@ -520,7 +534,8 @@ class Pool:
         """Run ``code`` on ``ranks`` (all by default); yield events, ending with ``CellEnd``.
 
         ``needs`` maps names to objects bound on the ranks before the cell
-        (or is already cloudpickled). Interrupt with :meth:`interrupt` (or a
+        (or is a shipment made by :func:`nbddp.capture.pack`); ``auto`` is
+        bound only on ranks that lack the name. Interrupt with :meth:`interrupt` (or a
         KeyboardInterrupt while waiting); ``timeout`` seconds behave the same.
         Rich output (``display``, figures) comes from ``display_ranks`` (rank 0
         by default). With ``tick``, a ``Tick`` is yielded after that many
@@ -532,13 +547,31 @@ class Pool:
         if bad:
             raise ValueError(f"no rank {bad[0]} in a pool of {self.world_size}")
         if isinstance(needs, dict):
-            needs = cloudpickle.dumps(needs) if needs else None
+            needs = capture.pack(needs)
         cell = next(self._cells)
         shown = {0} if display_ranks is None else set(display_ranks)
-        runs = {r: P.Run(cell, code, imports, needs, want_values, r in shown) for r in targets}
-        return self._cell(cell, runs, timeout, tick)
+        runs = {
+            r: P.Run(
+                cell,
+                code,
+                imports,
+                needs and needs.data,
+                auto and auto.data,
+                want_values,
+                r in shown,
+            )
+            for r in targets
+        }
+        return self._cell(cell, runs, timeout, tick, [s for s in (needs, auto) if s])
 
-    def _cell(self, cell: int, runs: dict[int, P.Run], timeout: float | None, tick: float | None):
+    def _cell(
+        self,
+        cell: int,
+        runs: dict[int, P.Run],
+        timeout: float | None,
+        tick: float | None,
+        shipments: list[payload.Shipment],
+    ):
         notes, self.notes = self.notes, []
         backlog, self._backlog = self._backlog, []
         yield from backlog
@@ -554,6 +587,8 @@ class Pool:
             while run_state.unfinished:
                 yield from self._cell_step(run_state, deadline, tick)
         finally:
+            for shipment in shipments:  # every rank has loaded them by now
+                shipment.remove()
             if run_state.unfinished:  # the consumer gave up on us: leave nothing running
                 self._lost = True
                 self._teardown(keep_launcher=True)
@@ -601,6 +636,8 @@ class Pool:
         elif kind == "msg" and isinstance(item[2], P.Done) and item[2].cell == st.cell:
             st.done[rank] = item[2]
             r.state = "idle"
+            if item[2].names is not None:
+                r.names = frozenset(item[2].names)
             yield from self._maybe_finish(st, rank)
         elif kind == "msg" and isinstance(item[2], P.Display):
             yield P.RankDisplay(rank, item[2].data, item[2].metadata)
@@ -815,7 +852,10 @@ class _CellState:
             yield P.RankState(rank, "failed")
             return
         if done.status == "ok" and done.value is not None:
-            self.values[rank] = cloudpickle.loads(done.value)
+            try:
+                self.values[rank] = payload.loads(done.value)
+            finally:
+                payload.Shipment(b"", list(done.files)).remove()
         if done.value_repr is not None:
             yield P.RankResult(rank, done.value_repr)
         yield P.RankState(rank, "done" if done.status == "ok" else "interrupted")

@@ -112,6 +112,7 @@ class StorePort:
 class Ready:
     backend: str
     device: str
+    names: tuple[str, ...] = ()  # the rank's global names
 
 
 @dataclass(frozen=True)
@@ -125,9 +126,11 @@ class Fatal:
 class Done:
     cell: int
     status: str  # "ok" | "error" | "interrupted"
-    value: bytes | None = None  # cloudpickled last expression, when asked for
+    value: bytes | None = None  # the last expression (nbddp.payload), when asked for
     value_repr: str | None = None
     error: ErrorInfo | None = None
+    files: tuple[str, ...] = ()  # shared-memory files ``value`` refers to (the notebook removes)
+    names: tuple[str, ...] | None = None  # the rank's global names, when they changed
 
 
 @dataclass(frozen=True)
@@ -166,9 +169,11 @@ class Run:
     cell: int
     code: str
     imports: str = ""
-    needs: bytes | None = None  # cloudpickled {name: object}
+    needs: bytes | None = None  # {name: object} (nbddp.payload), bound on the rank
+    auto: bytes | None = None  # {name: object} captured automatically: bound where unbound
     want_value: bool = False
     display: bool = False  # send rich output (display(), figures) from this rank
+    shm: bool = True  # the notebook shares this rank's /dev/shm: big values come back there
 
 
 @dataclass(frozen=True)

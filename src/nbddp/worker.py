@@ -18,11 +18,13 @@ import ast
 import builtins
 import contextlib
 import ctypes
+import dataclasses
 import faulthandler
 import io
 import linecache
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
@@ -32,13 +34,12 @@ import traceback
 import types
 from multiprocessing.connection import Client, Connection
 
-import cloudpickle
 import psutil
 import torch
 import torch.distributed as dist
 
+from . import payload, rich
 from . import protocol as P
-from . import rich
 from .ddp import DDPContext, default_backend
 
 __all__ = ["Worker", "main", "run_code"]
@@ -114,6 +115,14 @@ def _open_figure_managers() -> list:
     return Gcf.get_all_fig_managers()
 
 
+def _unwrap(value: object) -> object:
+    """A model trained under DDP comes back as the plain module it wraps."""
+    ddp = sys.modules.get("torch.nn.parallel")
+    if ddp is not None and isinstance(value, ddp.DistributedDataParallel):
+        return value.module
+    return value
+
+
 def parse_address(address: str) -> tuple[str | tuple[str, int], str]:
     """``/path/sock`` or ``unix:/path`` -> AF_UNIX; ``host:port`` -> AF_INET."""
     if address.startswith("unix:"):
@@ -174,6 +183,9 @@ class Worker:
         self.inbox: queue.Queue = queue.Queue()
         self.send_lock = threading.Lock()
         self.running = False
+        self.ship_dir: str | None = None  # where big values go back to the notebook
+        self._reported_names: frozenset[str] = frozenset()
+        self.shipped: dict[str, object] = {}  # name -> the object the notebook sent
         self.backend = ""
         self.device = "cpu"
         self.namespace: dict = {}
@@ -226,6 +238,8 @@ class Worker:
         for child in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.Error):
                 child.kill()
+        if self.ship_dir is not None:
+            shutil.rmtree(self.ship_dir, ignore_errors=True)
         os._exit(code)
 
     # -- start
@@ -306,7 +320,7 @@ class Worker:
         except BaseException as exc:
             self.send(P.Fatal(error_info(exc)))
             self._exit(1)
-        self.send(P.Ready(self.backend, self.device))
+        self.send(P.Ready(self.backend, self.device, self._changed_names() or ()))
 
     def _make_namespace(self, ctx: DDPContext) -> None:
         """The rank's persistent namespace: it is ``__main__``, so pickle finds cell classes."""
@@ -334,8 +348,9 @@ class Worker:
             if msg.imports:
                 run_code(msg.imports, f"{CELL_PREFIX}imports>", self.namespace)
             if msg.needs:
-                for name, obj in cloudpickle.loads(msg.needs).items():
-                    self.namespace[name] = adopt(obj, self.namespace)
+                self._bind(payload.loads(msg.needs), overwrite=True)
+            if msg.auto:
+                self._bind(payload.loads(msg.auto), overwrite=False)
             value = run_code(msg.code, filename, self.namespace)
         except KeyboardInterrupt:
             status = "interrupted"
@@ -348,7 +363,20 @@ class Worker:
             self.running = False
         self._show(value if status == "ok" else None)
         self._end_streams(msg.cell)
-        self.send(self._done(msg, status, value, error))
+        done = self._done(msg, status, value, error)
+        self.send(dataclasses.replace(done, names=self._changed_names()))
+
+    def _changed_names(self) -> tuple[str, ...] | None:
+        """The rank's own names (not those still bound to notebook objects), if changed."""
+        for name in [n for n in self.shipped if not self._from_notebook(n)]:
+            del self.shipped[name]  # the rank rebound it: it is the rank's own now
+        names = frozenset(
+            k for k in self.namespace if not k.startswith("__") and k not in self.shipped
+        )
+        if names == self._reported_names and names:
+            return None
+        self._reported_names = names
+        return tuple(sorted(names))
 
     def _show(self, value: object) -> None:
         """Like IPython's inline backend: a rich last value, then open figures, are shown."""
@@ -362,6 +390,19 @@ class Worker:
         except Exception:
             traceback.print_exc()
 
+    def _bind(self, objects: dict, overwrite: bool) -> None:
+        """Bind shipped objects; automatic capture never overwrites the rank's own.
+
+        A name still bound to what the notebook shipped is the notebook's, not
+        the rank's: a newer version from the notebook replaces it.
+        """
+        for name, obj in objects.items():
+            if overwrite or name not in self.namespace or self._from_notebook(name):
+                self.namespace[name] = self.shipped[name] = adopt(obj, self.namespace)
+
+    def _from_notebook(self, name: str) -> bool:
+        return name in self.shipped and self.namespace.get(name) is self.shipped[name]
+
     def _done(self, msg: P.Run, status: str, value: object, error: P.ErrorInfo | None) -> P.Done:
         if status != "ok" or value is None:
             return P.Done(msg.cell, status, error=error)
@@ -371,10 +412,11 @@ class Worker:
             value_repr = f"<repr failed: {type(exc).__name__}: {exc}>"
         if len(value_repr) > 10_000:
             value_repr = value_repr[:10_000] + " ..."
-        packed = None
+        packed, files = None, ()
         if msg.want_value:
             try:
-                packed = cloudpickle.dumps(value)
+                shipment = payload.dumps(_unwrap(value), self._shm_dir() if msg.shm else None)
+                packed, files = shipment.data, tuple(shipment.files)
             except Exception as exc:
                 info = P.ErrorInfo(
                     "PicklingError",
@@ -383,7 +425,12 @@ class Worker:
                     f"cannot be pickled: {exc}\n",
                 )
                 return P.Done(msg.cell, "error", error=info)
-        return P.Done(msg.cell, "ok", packed, value_repr)
+        return P.Done(msg.cell, "ok", packed, value_repr, files=files)
+
+    def _shm_dir(self) -> str:
+        if self.ship_dir is None:
+            self.ship_dir = payload.shm_dir()
+        return self.ship_dir
 
     def _end_streams(self, cell: int) -> None:
         """Flush Python and C buffers, then mark the end of this cell in both streams."""
@@ -409,7 +456,7 @@ class Worker:
         except BaseException as exc:
             self.send(P.Fatal(error_info(exc)))
             self._exit(1)
-        self.send(P.Ready(self.backend, self.device))
+        self.send(P.Ready(self.backend, self.device, self._changed_names() or ()))
         while True:
             msg = self.inbox.get()
             if isinstance(msg, P.Run):

@@ -1,0 +1,179 @@
+"""Objects to bytes and back, with big tensors through shared memory.
+
+``dumps`` is cloudpickle, except that each CPU tensor (or numpy array) of at
+least ``SHM_MIN_BYTES`` is written once to a file in a private tmpfs
+directory (``/dev/shm``) and pickled as a reference to it. ``loads`` maps
+that file privately (``torch.from_file(shared=False)``): the receiver gets a
+tensor of its own (writes stay private, it outlives the file's unlinking)
+whose pages are shared with every other receiver until written. So one
+notebook object reaches N ranks with one write, not N pickles, and the
+notebook never holds extra copies (the file is written with ``write(2)``,
+never mapped).
+
+CUDA tensors travel the same way and land on the receiver's own device.
+Whoever calls ``dumps`` removes the files once every receiver has loaded.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import pickle
+import secrets
+import tempfile
+
+import cloudpickle
+import torch
+
+__all__ = ["SHM_MIN_BYTES", "Shipment", "dumps", "loads", "shm_dir"]
+
+SHM_MIN_BYTES = 1 << 20
+_counter = itertools.count()
+
+
+def shm_dir() -> str:
+    """A fresh private (0700) directory on tmpfs, or in the temp dir without /dev/shm."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return tempfile.mkdtemp(prefix="nbddp-", dir=base)
+
+
+class Shipment:
+    """The pickled bytes and the files they refer to (to remove once loaded)."""
+
+    def __init__(self, data: bytes, files: list[str]) -> None:
+        self.data = data
+        self.files = files
+        self.nbytes = len(data) + sum(os.path.getsize(f) for f in files if os.path.exists(f))
+
+    def remove(self) -> None:
+        for path in self.files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self.files = []
+
+
+def _write(path: str, tensor: torch.Tensor) -> None:
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    view = memoryview(raw)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done : done + (1 << 30)])
+    finally:
+        os.close(fd)
+
+
+def _load_tensor(
+    path: str,
+    dtype: torch.dtype,
+    shape: tuple,
+    requires_grad: bool,
+    to_device: bool,
+    parameter: bool,
+) -> torch.Tensor:
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    t = torch.from_file(path, shared=False, size=numel, dtype=dtype).reshape(shape)
+    if to_device:
+        t = t.to(_rank_device())
+    if parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def _load_array(path: str, dtype: str, shape: tuple):
+    import numpy as np
+
+    raw = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
+    return raw.numpy().view(np.dtype(dtype)).reshape(shape)
+
+
+def _rank_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _Pickler(cloudpickle.CloudPickler):
+    def __init__(self, file, directory: str | None, min_bytes: int) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.directory = directory
+        self.min_bytes = min_bytes
+        self.files: list[str] = []
+
+    def _path(self) -> str:
+        path = os.path.join(self.directory, f"{secrets.token_hex(8)}-{next(_counter)}")
+        self.files.append(path)
+        return path
+
+    def reducer_override(self, obj):
+        if isinstance(obj, io.IOBase) and not isinstance(obj, io.BytesIO | io.StringIO):
+            # cloudpickle would send a snapshot of a readable file's contents: not the file
+            raise TypeError(
+                f"cannot pickle an open file ({getattr(obj, 'name', type(obj).__name__)}): "
+                "open it on the ranks instead"
+            )
+        if self.directory is not None:
+            if isinstance(obj, torch.Tensor) and self._fits(obj):
+                return self._reduce_tensor(obj)
+            np = _numpy()
+            if np is not None and type(obj) is np.ndarray and self._fits_array(obj):
+                path = self._path()
+                _write(path, torch.from_numpy(np.ascontiguousarray(obj)).reshape(-1))
+                return _load_array, (path, obj.dtype.str, obj.shape)
+        return super().reducer_override(obj)
+
+    def _fits(self, t: torch.Tensor) -> bool:
+        plain = type(t) in (torch.Tensor, torch.nn.Parameter)
+        return (
+            plain
+            and t.layout == torch.strided
+            and t.device.type in ("cpu", "cuda")
+            and not t.is_quantized
+            and t.untyped_storage().nbytes() >= self.min_bytes
+            and (t.is_leaf or not t.requires_grad)
+        )
+
+    def _fits_array(self, a) -> bool:
+        return a.nbytes >= self.min_bytes and a.dtype.hasobject is False and a.dtype.kind in "biufc"
+
+    def _reduce_tensor(self, t: torch.Tensor):
+        path = self._path()
+        cuda = t.device.type == "cuda"
+        _write(path, t.detach().cpu() if cuda else t)
+        args = (
+            path,
+            t.dtype,
+            tuple(t.shape),
+            t.requires_grad,
+            cuda,
+            isinstance(t, torch.nn.Parameter),
+        )
+        return _load_tensor, args
+
+
+def _numpy():
+    import sys
+
+    return sys.modules.get("numpy")
+
+
+def dumps(obj: object, directory: str | None = None, min_bytes: int = SHM_MIN_BYTES) -> Shipment:
+    """Pickle ``obj``; with ``directory``, big tensors go to files there."""
+    buf = io.BytesIO()
+    pickler = _Pickler(buf, directory, min_bytes)
+    try:
+        pickler.dump(obj)
+    except BaseException:
+        Shipment(b"", pickler.files).remove()
+        raise
+    return Shipment(buf.getvalue(), pickler.files)
+
+
+def loads(data: bytes) -> object:
+    return pickle.loads(data)
