@@ -36,9 +36,11 @@ def nbddp_figures(n: int, t: torch.Tensor, pull_numel: int, repeat: int) -> dict
 
     out = {}
     with Pool(n) as pool:
+
         def need(code):
             def go():
                 pool.execute(code, needs=pack({"x": t}))
+
             return go
 
         out["need_bound_s"] = timed(need("pass"), repeat)
@@ -60,9 +62,13 @@ def ipp_figures(n: int, t: torch.Tensor, pull_numel: int, repeat: int) -> dict:
         view.execute("import numpy", block=True)
         out = {
             "push_s": timed(lambda: view.push({"x": arr}, block=True), repeat),
-            "push_read_s": timed(lambda: (view.push({"x": arr}, block=True),
-                                          view.execute("float(x[::256].sum())", block=True)),
-                                 repeat),
+            "push_read_s": timed(
+                lambda: (
+                    view.push({"x": arr}, block=True),
+                    view.execute("float(x[::256].sum())", block=True),
+                ),
+                repeat,
+            ),
         }
         view.execute(f"y = numpy.ones({pull_numel}, dtype=numpy.float32)", block=True)
         out["pull_all_s"] = timed(lambda: view.pull("y", block=True), repeat)
@@ -90,12 +96,16 @@ def main() -> None:
         results["ipyparallel"] = ipp_figures(args.ranks, t, pull_numel, args.repeat)
 
     n, mb = args.ranks, args.mb
-    print(f"\nmoving data: {mb} MB tensor to {n} ranks, {args.pull_mb} MB from each back "
-          f"(medians of {args.repeat})")
+    print(
+        f"\nmoving data: {mb} MB tensor to {n} ranks, {args.pull_mb} MB from each back "
+        f"(medians of {args.repeat})"
+    )
     print(f"  floor: one clone of the tensor              {floor:7.2f} s")
-    rows = [("--need, bound on every rank", "need_bound_s", "push_s"),
-            ("--need, bound and read once", "need_read_s", "push_read_s"),
-            ("pull --all", "pull_all_s", "pull_all_s")]
+    rows = [
+        ("--need, bound on every rank", "need_bound_s", "push_s"),
+        ("--need, bound and read once", "need_read_s", "push_read_s"),
+        ("pull --all", "pull_all_s", "pull_all_s"),
+    ]
     for name, ours, theirs in rows:
         line = f"  nbddp {name:<36} {results[ours]:7.2f} s  ({results[ours] / floor:.2f}x floor)"
         if "ipyparallel" in results:
