@@ -1,0 +1,53 @@
+"""The GPU paths (NCCL, CUDA tensors). Skipped without CUDA; run them on a GPU machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nbddp import Pool
+from nbddp.capture import pack
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def gpu_pool():
+    n = min(torch.cuda.device_count(), 2)
+    with Pool(n) as pool:
+        yield pool
+
+
+def test_ranks_use_nccl_and_their_own_gpu(gpu_pool):
+    code = (
+        "import os, torch.distributed as dist\n"
+        "t = torch.ones(1, device=device) * (rank + 1)\n"
+        "dist.all_reduce(t)\n"
+        "(dist.get_backend(), str(device), torch.cuda.current_device(),\n"
+        " int(os.environ['LOCAL_RANK']), t.item())"
+    )
+    n = gpu_pool.world_size
+    total = float(n * (n + 1) // 2)
+    assert gpu_pool.execute(code) == [("nccl", f"cuda:{r}", r, r, total) for r in range(n)]
+
+
+def test_cuda_tensors_arrive_on_each_ranks_own_device(gpu_pool):
+    t = torch.arange(2**20, dtype=torch.float32, device="cuda:0")
+    values = gpu_pool.execute("(str(x.device), float(x.sum()))", needs=pack({"x": t}))
+    assert values == [(f"cuda:{r}", float(t.sum())) for r in range(gpu_pool.world_size)]
+
+
+def test_a_rank_error_in_a_nccl_collective_does_not_hang(gpu_pool):
+    code = (
+        "import torch.distributed as dist\n"
+        "t = torch.ones(1, device=device)\n"
+        "if rank == 0:\n    raise ValueError('before')\n"
+        "dist.all_reduce(t)\nt.item()"
+    )
+    events = list(gpu_pool.run(code))
+    end = events[-1]
+    assert "ValueError" in end.errors[0].exc_type
+    assert gpu_pool.execute("rank") == list(range(gpu_pool.world_size))
