@@ -55,15 +55,16 @@ def ship_dir() -> str:
     return _ship_dir
 
 
-def pack(objects: dict[str, object]) -> payload.Shipment | None:
-    """Pickle the objects once for every rank (big tensors through shared memory).
+def pack(objects: dict[str, object], shared: bool = True) -> payload.Shipment | None:
+    """Pickle the objects once for every rank (big tensors through shared memory,
+    unless ``shared`` is False: ranks on other hosts).
 
     On failure, the error names the object that cannot go and why.
     """
     if not objects:
         return None
     try:
-        return payload.dumps(objects, ship_dir())
+        return payload.dumps(objects, ship_dir() if shared else None)
     except Exception as whole:
         for name, obj in objects.items():
             try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import socket
 import time
 
 import torch
@@ -15,7 +16,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from . import capture
+from . import capture, launch
 from . import protocol as P
 from .dashboard import Dashboard, TextSink
 from .errors import CaptureError, CellInterrupted, PoolStartError
@@ -24,7 +25,7 @@ from .pool import Pool, raise_for_end
 
 __all__ = ["DDPMagics", "load", "unload"]
 
-SUBCOMMANDS = ("start", "status", "restart", "stop", "interrupt", "push", "pull")
+SUBCOMMANDS = ("start", "attach", "status", "restart", "stop", "interrupt", "push", "pull")
 
 
 def _world_size(text: str) -> int:
@@ -92,6 +93,16 @@ def ddp_cell(line, cell):
 @argument("--auto-limit", default="100MB", help="largest object captured automatically (100MB)")
 def ddp_start(line):
     """Start the pool (restarting it with these options if one runs)."""
+
+
+@magic_arguments()
+@argument("--world-size", type=_world_size, required=True, help="how many ranks will connect")
+@argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (loopback by default)")
+@argument("--token-file", default=launch.DEFAULT_TOKEN_FILE, help="shared secret (made if missing)")
+@argument("--timeout", type=_seconds, default=600.0, help="seconds to wait for every rank")
+@argument("--slurm", help="sbatch options: submit the torchrun job too ('--nodes 2 ...')")
+def ddp_attach(line):
+    """Wait for ranks started by torchrun elsewhere to connect, then use them as the pool."""
 
 
 @magic_arguments()
@@ -197,6 +208,61 @@ class DDPMagics(Magics):
         self.options = {}
         self._want_pool(args.n, **options)
 
+    def _attach(self, rest: str) -> None:
+        args = parse_argstring(ddp_attach, rest)
+        host, _, port = args.listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise UsageError(f"--listen takes HOST:PORT, not {args.listen!r}")
+        token = launch.read_or_create_token(args.token_file)
+        if self.pool is not None:
+            self.pool.stop()
+            self.pool = None
+        pool = Pool(
+            args.world_size,
+            listen=(host, int(port)),
+            token=token,
+            start_timeout=args.timeout,
+            on_join=self._joined,
+        )
+        address = pool.listen()
+        reachable = (
+            address
+            if host not in ("0.0.0.0", "::")
+            else f"{socket.getfqdn()}:{address.rsplit(':', 1)[1]}"
+        )
+        if args.slurm:
+            try:
+                script = launch.slurm_script(
+                    args.slurm, args.world_size, reachable, args.token_file
+                )
+            except ValueError as exc:
+                pool.stop()
+                raise UsageError(str(exc)) from None
+            self._say(f"submitted SLURM job {launch.submit_slurm(script)}")
+        else:
+            self._say(
+                f"listening on {address}; on each node run:\n"
+                + launch.torchrun_command(reachable, args.token_file, args.world_size)
+            )
+        t0 = time.perf_counter()
+        try:
+            pool.start()
+        except (PoolStartError, KeyboardInterrupt) as exc:
+            pool.stop()
+            raise UsageError(f"attach ended: {exc or 'interrupted'}") from None
+        print()
+        hosts = sorted({s.host for s in pool.status()})
+        self.pool, self.options = pool, {}
+        self._say(
+            f"attached {args.world_size} ranks on {len(hosts)} host"
+            f"{'s' * (len(hosts) > 1)} ({', '.join(hosts)}) in "
+            f"{time.perf_counter() - t0:.1f} s"
+        )
+
+    @staticmethod
+    def _joined(connected: int, world_size: int) -> None:
+        print(f"\rnbddp: {connected}/{world_size} ranks connected", end="", flush=True)
+
     def _status(self, rest: str) -> None:
         if self.pool is None or not self.pool.started:
             print("nbddp: no pool is running")
@@ -214,6 +280,8 @@ class DDPMagics(Magics):
     def _restart(self, rest: str) -> None:
         if self.pool is None:
             raise UsageError("no pool to restart: start one with %ddp start or %%ddp")
+        if self.pool.attached:
+            raise UsageError("an attached pool restarts with torchrun: run it again, then attach")
         t0 = time.perf_counter()
         self.pool.restart()
         self._say(
@@ -256,7 +324,8 @@ class DDPMagics(Magics):
         args = parse_argstring(ddp_cell, line)
         try:
             explicit = capture.split_names(args.need)
-            needs = capture.pack(capture.collect(explicit, self.shell.user_ns))
+            shared = self.pool is None or not self.pool.attached
+            needs = capture.pack(capture.collect(explicit, self.shell.user_ns), shared)
             imports = capture.check_imports(args.imports)
             size = args.n or (self.pool and self.pool.world_size)
             ranks = capture.parse_ranks(args.ranks, size)
@@ -314,7 +383,7 @@ class DDPMagics(Magics):
                 for name, obj in objects.items()
                 if not self._shipped.unchanged(pool.generation, name, obj)
             }
-            auto = capture.pack(objects)
+            auto = capture.pack(objects, not pool.attached)
             for name, obj in objects.items():
                 self._shipped.sent(name, obj)
         except CaptureError as exc:

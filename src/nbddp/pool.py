@@ -19,12 +19,16 @@ import codecs
 import contextlib
 import itertools
 import os
+import pickle
+import queue
 import secrets
+import select
 import shutil
 import signal
 import socket
 import struct
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -37,6 +41,7 @@ from . import protocol as P
 from .errors import (
     CellFailed,
     CellInterrupted,
+    NbddpError,
     PoolClosedError,
     PoolStartError,
     RankDied,
@@ -159,6 +164,9 @@ class Pool:
         grace: float = 3.0,
         abort_after: float = 1.0,
         env: dict[str, str] | None = None,
+        listen: tuple[str, int] | None = None,
+        token: bytes | None = None,
+        on_join=None,
     ) -> None:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"the world size must be a whole number >= 1, not {n!r}")
@@ -176,11 +184,18 @@ class Pool:
         self.grace = grace
         self.abort_after = abort_after
         self.extra_env = dict(env or {})
+        # attached pools: ranks started elsewhere (torchrun) connect over TCP with ``token``
+        self.listen_on = listen
+        self.on_join = on_join  # called with (connected, world size) as ranks join
+        if listen is not None and not token:
+            raise ValueError("a pool that listens on TCP needs a token")
         self.notes: list[str] = []  # said once, with the next cell
+        self.refused: list[str] = []  # connections refused (bad token, wrong world size)
         self._launcher: Launcher | None = None
         self._dir: str | None = None
         self._listener: socket.socket | None = None
-        self._token = b""
+        self._token = token or b""
+        self._authed: queue.SimpleQueue = queue.SimpleQueue()  # (conn, hello) from handshakes
         self._ranks: dict[int, _Rank] = {}
         self._store_port: int | None = None
         self._backlog: list[P.Output] = []
@@ -208,6 +223,11 @@ class Pool:
         return bool(self._ranks) and all(
             r.state in ("idle", "running") for r in self._ranks.values()
         )
+
+    @property
+    def attached(self) -> bool:
+        """The ranks were started elsewhere (torchrun) and connected over TCP."""
+        return self.listen_on is not None
 
     @property
     def needs_restart(self) -> bool:
@@ -250,11 +270,15 @@ class Pool:
         self._closed = False
         _LIVE_POOLS.add(self)
         try:
-            self._open_listener()
-            if self._launcher is None:
-                self._launcher = make_launcher(self.start_method)
+            self.listen()
             self._lost = False
             self._store_port = None
+            if self.attached:  # the ranks come to us
+                self._handshake(time.monotonic() + self.start_timeout)
+                self._generation += 1
+                return self
+            if self._launcher is None:
+                self._launcher = make_launcher(self.start_method)
             for rank in range(self.world_size):
                 pid = self._launcher.start(
                     ["--connect", self._address],
@@ -272,6 +296,11 @@ class Pool:
 
     def restart(self) -> Pool:
         """A new set of ranks (through the same fork server): every rank's state is gone."""
+        if self.attached:
+            raise NbddpError(
+                "an attached pool cannot be restarted from the notebook: start torchrun "
+                "again and attach again"
+            )
         self._teardown(keep_launcher=True)
         return self.start()
 
@@ -281,15 +310,30 @@ class Pool:
         self._closed = True
         _LIVE_POOLS.discard(self)
 
-    def _open_listener(self) -> None:
+    def listen(self) -> str:
+        """Open the listener (if not yet) and return the address workers connect to.
+
+        A local pool: a Unix socket in a private 0700 directory. An attached
+        pool: TCP on ``listen`` (port 0: a free one).
+        """
         if self._listener is not None:
-            return
+            return self._address
         self._dir = tempfile.mkdtemp(prefix="nbddp-")  # mode 0700
-        self._address = os.path.join(self._dir, "pool.sock")
-        self._token = secrets.token_hex(32).encode()
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self._address)
-        self._listener.listen(256)
+        if self.attached:
+            host, port = self.listen_on
+            self._listener = socket.create_server((host, port), backlog=1024)
+            bound = self._listener.getsockname()[1]
+            self._address = f"{host}:{bound}"
+        else:
+            self._address = os.path.join(self._dir, "pool.sock")
+            self._token = secrets.token_hex(32).encode()
+            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._listener.bind(self._address)
+            self._listener.listen(256)
+        threading.Thread(
+            target=self._accept_loop, args=(self._listener,), name="nbddp-accept", daemon=True
+        ).start()
+        return self._address
 
     def _rank_env(self, rank: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -336,9 +380,18 @@ class Pool:
                 self._dir = None
 
     def _reap(self, ranks: list[_Rank], deadline: float) -> None:
-        """Wait for the ranks' processes until ``deadline``, then SIGKILL their sessions."""
+        """Wait for the ranks' processes until ``deadline``, then SIGKILL their sessions.
+
+        Ranks started elsewhere cannot be signalled: wait for their connections to close.
+        """
         launcher = self._launcher
         if launcher is None:
+            for r in ranks:
+                if r.conn is not None and not r.conn.closed:
+                    with contextlib.suppress(OSError, EOFError):
+                        while r.conn.poll(max(0.0, deadline - time.monotonic())):
+                            r.conn.recv_bytes()
+                r.state = "dead"
             return
         for r in ranks:
             code = launcher.returncode(r.pid, timeout=max(0.0, deadline - time.monotonic()))
@@ -353,8 +406,6 @@ class Pool:
     def _pump(self, timeout: float | None) -> list[tuple]:
         """Wait for anything on any connection, stream or sentinel; return what happened."""
         objs: list = [self._wake_r]
-        if self._listener is not None:
-            objs.append(self._listener)
         for r in self._ranks.values():
             if r.state == "dead":
                 continue
@@ -369,10 +420,10 @@ class Pool:
             if obj == self._wake_r:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
-            elif obj is self._listener:
-                self._accept()
             else:
                 items += self._service(obj)
+        while not self._authed.empty():
+            self._attach(*self._authed.get())
         if self._launcher is not None and any(o in ready for o in self._launcher.sentinels()):
             gone = {i[1] for i in items if i[0] == "gone"}
             items += [i for i in self._exits() if i[1] not in gone]
@@ -405,26 +456,63 @@ class Pool:
             if r.state != "dead" and r.pid in self._launcher.returncodes
         ]
 
-    def _accept(self) -> None:
-        sock, _ = self._listener.accept()
-        # a peer that connects and never answers must not stall the pool
+    def _accept_loop(self, listener: socket.socket) -> None:
+        """Take connections as they come, even while the notebook is idle; each peer
+        proves it holds the token in a thread of its own.
+
+        Nothing is unpickled before the HMAC challenge succeeds, and a peer that
+        sends garbage or nothing never stalls the pool (it is dropped after 5 s).
+        """
+        while listener is self._listener:
+            try:
+                ready, _, _ = select.select([listener], [], [], 0.5)
+                if not ready:
+                    continue
+                sock, peer = listener.accept()
+            except (OSError, ValueError):  # the listener was closed
+                return
+            threading.Thread(
+                target=self._authenticate, args=(sock, peer), name="nbddp-auth", daemon=True
+            ).start()
+
+    def _authenticate(self, sock: socket.socket, peer) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 5, 0))
         conn = Connection(sock.detach())
         try:
             deliver_challenge(conn, self._token)
             answer_challenge(conn, self._token)
             hello = P.loads(conn.recv_bytes(1 << 16))
-        except (AuthenticationError, EOFError, OSError, TypeError, ValueError):
+            s = socket.socket(fileno=os.dup(conn.fileno()))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+            s.close()
+        except (
+            AuthenticationError,
+            EOFError,
+            OSError,
+            TypeError,
+            ValueError,
+            pickle.UnpicklingError,
+        ) as exc:
             conn.close()
-            self.notes.append("a connection to the pool was refused (bad token or protocol)")
+            who = f" from {peer[0]}" if isinstance(peer, tuple) else ""
+            self.refused.append(f"refused a connection{who}: {type(exc).__name__}: {exc}")
             return
-        s = socket.socket(fileno=os.dup(conn.fileno()))
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
-        s.close()
-        self._attach(conn, hello)
+        self._authed.put((conn, hello))
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"!")
 
     def _attach(self, conn: Connection, hello: object) -> None:
-        r = self._ranks.get(getattr(hello, "rank", -1))
+        rank = getattr(hello, "rank", -1)
+        if self.attached and isinstance(hello, P.Hello) and rank not in self._ranks:
+            if hello.world_size != self.world_size or not 0 <= rank < self.world_size:
+                conn.close()
+                self.refused.append(
+                    f"refused rank {rank} of a world of {hello.world_size}: "
+                    f"this pool waits for {self.world_size} ranks"
+                )
+                return
+            self._ranks[rank] = _Rank(rank, hello.pid)
+        r = self._ranks.get(rank)
         if r is None or r.state == "dead":
             conn.close()
             return
@@ -438,6 +526,8 @@ class Pool:
             r.conn, r.pid, r.host = conn, hello.pid, hello.host
             if self._store_port is not None and r.rank != 0:
                 r.send(P.JoinGroup(self._store_port))
+            if self.on_join is not None:
+                self.on_join(len(self._ranks), self.world_size)
         elif isinstance(hello, P.StreamHello):
             r.streams[hello.stream] = _Stream(conn, hello.stream)
         else:
@@ -446,10 +536,16 @@ class Pool:
     # ------------------------------------------------------------ start handshake
 
     def _handshake(self, deadline: float) -> None:
-        while not all(r.state == "idle" and r.connected for r in self._ranks.values()):
+        while len(self._ranks) < self.world_size or not all(
+            r.state == "idle" and r.connected for r in self._ranks.values()
+        ):
             left = deadline - time.monotonic()
             if left <= 0:
-                waiting = [r.rank for r in self._ranks.values() if r.state != "idle"]
+                waiting = [
+                    r
+                    for r in range(self.world_size)
+                    if r not in self._ranks or self._ranks[r].state != "idle"
+                ]
                 raise PoolStartError(
                     f"ranks {waiting} did not start within {self.start_timeout:g} s"
                     + self._log_tail(waiting[0])
@@ -463,7 +559,7 @@ class Pool:
         if kind == "text":
             self._backlog.append(P.Output(rank, item[2], item[3]))
         elif kind == "gone":
-            code = self._launcher.returncode(r.pid, timeout=1.0)
+            code = self._launcher_code(r)
             raise PoolStartError(
                 f"rank {rank} exited while starting ({describe_exit(code)})" + self._log_tail(rank)
             )
@@ -494,12 +590,14 @@ class Pool:
     def _ensure_running(self) -> None:
         if self._closed and not self._ranks:
             raise PoolClosedError("the pool was stopped; start it again")
+        if self.attached and (self._lost or not self.started):
+            raise PoolClosedError(
+                "the attached pool lost a rank: start torchrun again and attach again"
+            )
         gone = [i for i in self._poll_idle() if i[0] == "gone"]
         if gone or self._lost:
             dead = [self._ranks[i[1]] for i in gone]
-            why = ", ".join(
-                RankDied(r.rank, self._launcher.returncode(r.pid, 1.0)).summary for r in dead
-            )
+            why = ", ".join(RankDied(r.rank, self._launcher_code(r)).summary for r in dead)
             self._teardown(keep_launcher=True)
             self.notes.append(
                 (f"{why} since the last cell; " if why else "")
@@ -559,6 +657,7 @@ class Pool:
                 auto and auto.data,
                 want_values,
                 r in shown,
+                shm=not self.attached,
             )
             for r in targets
         }
@@ -598,7 +697,8 @@ class Pool:
 
     def _take_notes(self) -> list[str]:
         notes, self.notes = self.notes, []
-        return notes
+        refused, self.refused = self.refused, []
+        return notes + refused
 
     def _cell_step(self, st: _CellState, deadline: float | None, tick: float | None):
         now = time.monotonic()

@@ -32,6 +32,7 @@ import threading
 import time
 import traceback
 import types
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 
 import psutil
@@ -472,8 +473,15 @@ class Worker:
 
 def _read_token(path: str | None) -> bytes:
     if path:
-        with open(os.path.expanduser(path), "rb") as f:
-            return f.read().strip()
+        try:
+            with open(os.path.expanduser(path), "rb") as f:
+                token = f.read().strip()
+        except OSError as exc:
+            msg = f"nbddp.worker: cannot read the token file {path}: {exc.strerror}"
+            raise SystemExit(msg) from None
+        if not token:
+            raise SystemExit(f"nbddp.worker: the token file {path} is empty")
+        return token
     token = os.environ.pop("NBDDP_TOKEN", "")
     if not token:
         raise SystemExit("nbddp.worker: no token: pass --token-file or set NBDDP_TOKEN")
@@ -491,7 +499,14 @@ def main(argv: list[str] | None = None) -> int:
     token = _read_token(args.token_file)
     try:
         control = connect(args.connect, token, args.connect_timeout)
-    except OSError as exc:
+    except AuthenticationError:
+        print(
+            f"nbddp.worker: the notebook at {args.connect} refused this worker's token "
+            "(is --token-file the notebook's?)",
+            file=sys.stderr,
+        )
+        return 3
+    except (OSError, EOFError) as exc:
         print(f"nbddp.worker: cannot reach the notebook at {args.connect}: {exc}", file=sys.stderr)
         return 2
     return Worker(control, args.connect, token).serve()

@@ -1,0 +1,285 @@
+"""Attached pools: ranks started by torchrun (or by hand) connect back over TCP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from IPython.core.interactiveshell import InteractiveShell
+
+from helpers import collect, wait_gone
+from nbddp import Pool, launch
+from nbddp.pool import raise_for_end
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "nbddp" / "token"
+    launch.read_or_create_token(str(path))
+    return path
+
+
+def start(cmd: list[str], log, env=None) -> subprocess.Popen:
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+
+
+def worker_cmd(connect: str, token_file) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "nbddp.worker",
+        "--connect",
+        connect,
+        "--token-file",
+        str(token_file),
+        "--connect-timeout",
+        "60",
+    ]
+
+
+def lone_worker_env(world_size: int = 1, rank: int = 0) -> dict:
+    env = dict(
+        os.environ,
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+    )
+    env.pop("MASTER_PORT", None)
+    return env
+
+
+def end_all(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def test_the_token_file_is_made_private_and_reused(tmp_path):
+    path = tmp_path / "dir" / "token"
+    first = launch.read_or_create_token(str(path))
+    assert len(first) == 64 and oct(path.stat().st_mode & 0o777) == "0o600"
+    assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
+    assert launch.read_or_create_token(str(path)) == first
+
+
+@pytest.mark.timeout(240)
+def test_two_torchrun_nodes_attach_and_stop_ends_them(token_file, tmp_path):
+    token = token_file.read_bytes().strip()
+    pool = Pool(4, listen=("127.0.0.1", 0), token=token, start_timeout=180)
+    address = pool.listen()
+    master = free_port()
+    logs = [open(tmp_path / f"node{i}.log", "wb") for i in range(2)]  # noqa: SIM115
+    nodes = [
+        start(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(master),
+                "-m",
+                "nbddp.worker",
+                "--connect",
+                address,
+                "--token-file",
+                str(token_file),
+            ],
+            logs[i],
+        )
+        for i in range(2)
+    ]
+    try:
+        pool.start()
+        code = (
+            "import os, torch.distributed as dist\n"
+            "t = torch.ones(1) * rank\n"
+            "dist.all_reduce(t)\n"
+            "(t.item(), os.environ['GROUP_RANK'], local_rank, world_size)"
+        )
+        assert pool.execute(code) == [
+            (6.0, "0", 0, 4),
+            (6.0, "0", 1, 4),
+            (6.0, "1", 0, 4),
+            (6.0, "1", 1, 4),
+        ]
+        assert [s.host for s in pool.status()] == [socket.gethostname()] * 4
+        # errors and a peer left waiting in a collective behave as on a local pool
+        _, _, end = collect(
+            pool.run(
+                "import torch.distributed as dist\nif rank == 2:\n    raise ValueError('x')\n"
+                "dist.barrier()"
+            )
+        )
+        assert next(iter(end.errors)) == 2 and "re-formed" in end.notes[0]
+        assert pool.execute("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == [4.0] * 4
+        pool.stop()
+        assert [n.wait(60) for n in nodes] == [0, 0]  # torchrun ends cleanly
+    finally:
+        pool.stop()
+        end_all(nodes)
+        for log in logs:
+            log.close()
+
+
+@pytest.fixture
+def lone(token_file, tmp_path):
+    """A pool of one rank, started by hand, attached over TCP."""
+    token = token_file.read_bytes().strip()
+    pool = Pool(1, listen=("127.0.0.1", 0), token=token, start_timeout=60)
+    address = pool.listen()
+    log = open(tmp_path / "lone.log", "wb")  # noqa: SIM115
+    proc = start(worker_cmd(address, token_file), log, lone_worker_env())
+    try:
+        pool.start()
+        yield pool, address, proc
+    finally:
+        pool.stop()
+        end_all([proc])
+        log.close()
+
+
+def test_a_worker_with_the_wrong_token_is_refused_and_says_why(lone, tmp_path):
+    pool, address, _ = lone
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-token\n")
+    out = subprocess.run(
+        worker_cmd(address, wrong),
+        env=lone_worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 3
+    assert "refused this worker's token" in out.stderr
+    _, _, end = collect(pool.run("rank", want_values=True))
+    assert end.values == {0: 0}
+    assert any("refused a connection" in n and "AuthenticationError" in n for n in end.notes)
+
+
+def test_a_worker_without_its_token_file_fails_clearly(tmp_path):
+    out = subprocess.run(
+        worker_cmd("127.0.0.1:1", tmp_path / "missing"),
+        env=lone_worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0
+    assert "cannot read the token file" in out.stderr and "No such file" in out.stderr
+
+
+def test_garbage_and_half_open_connections_do_not_disturb_the_pool(lone):
+    pool, address, _ = lone
+    host, port = address.rsplit(":", 1)
+    half_open = socket.create_connection((host, int(port)))  # says nothing
+    garbage = socket.create_connection((host, int(port)))
+    garbage.sendall(os.urandom(4096))
+    try:
+        t0 = time.monotonic()
+        for _ in range(20):
+            assert pool.execute("rank") == [0]
+        assert time.monotonic() - t0 < 2.0  # never waited on either peer
+    finally:
+        half_open.close()
+        garbage.close()
+
+
+def test_a_dead_remote_rank_is_reported_as_a_lost_connection(lone):
+    pool, _, proc = lone
+    _, _, end = collect(pool.run("import os\nos._exit(5)"))
+    with pytest.raises(Exception, match=r"rank 0 died \(connection lost\)"):
+        raise_for_end(end)
+    assert proc.wait(10) == 5
+    with pytest.raises(Exception, match="start torchrun again and attach again"):
+        list(pool.run("1"))
+
+
+def test_attach_through_the_magic(token_file, tmp_path, capsys):
+    port = free_port()
+    log = open(tmp_path / "w.log", "wb")  # noqa: SIM115
+    proc = start(worker_cmd(f"127.0.0.1:{port}", token_file), log, lone_worker_env())
+    shell = InteractiveShell.instance()
+    shell.run_cell("%load_ext nbddp")
+    try:
+        result = shell.run_cell(
+            f"%ddp attach --world-size 1 --listen 127.0.0.1:{port} --token-file {token_file}"
+        )
+        assert result.success
+        out = capsys.readouterr().out
+        assert f"listening on 127.0.0.1:{port}; on each node run:" in out
+        assert f"-m nbddp.worker --connect 127.0.0.1:{port} --token-file {token_file}" in out
+        assert "1/1 ranks connected" in out and "attached 1 ranks on 1 host" in out
+        assert shell.run_cell("%%ddp --text\nprint('remote', rank)").success
+        assert "[rank 0] remote 0" in capsys.readouterr().out
+        shell.run_cell("%ddp status")
+        assert socket.gethostname() in capsys.readouterr().out
+        assert not shell.run_cell("%ddp restart").success
+        shell.run_cell("%ddp stop")
+        assert proc.wait(30) == 0
+    finally:
+        shell.run_cell("%unload_ext nbddp")
+        end_all([proc])
+        log.close()
+
+
+def test_the_slurm_job_script_runs_torchrun_once_per_node():
+    script = launch.slurm_script(
+        "--nodes 2 --gpus-per-node 8 --partition gpu",
+        16,
+        "nb.example:5555",
+        "~/.nbddp/token",
+        python="python3",
+    )
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    assert "#SBATCH --nodes 2 --gpus-per-node 8 --partition gpu" in lines
+    assert "#SBATCH --ntasks-per-node=1" in lines
+    run = lines[-1]
+    assert run.startswith("srun python3 -m torch.distributed.run --nnodes 2 --nproc-per-node 8 ")
+    assert '--rdzv-backend c10d --rdzv-endpoint "$head:29400"' in run
+    assert run.endswith("-m nbddp.worker --connect nb.example:5555 --token-file '~/.nbddp/token'")
+    with pytest.raises(ValueError, match="--nodes N"):
+        launch.slurm_script("--partition gpu", 16, "h:1", "t")
+    with pytest.raises(ValueError, match="does not split over 3 nodes"):
+        launch.slurm_script("-N 3", 16, "h:1", "t")
+
+
+def test_a_wrong_world_size_is_refused(token_file, tmp_path):
+    token = token_file.read_bytes().strip()
+    pool = Pool(1, listen=("127.0.0.1", 0), token=token, start_timeout=8)
+    address = pool.listen()
+    log = open(tmp_path / "w.log", "wb")  # noqa: SIM115
+    proc = start(worker_cmd(address, token_file), log, lone_worker_env(world_size=2))
+    try:
+        with pytest.raises(Exception, match="did not start"):
+            pool.start()
+        assert any("this pool waits for 1 ranks" in r for r in pool.refused)
+    finally:
+        pool.stop()
+        end_all([proc])
+        log.close()
+    assert wait_gone([proc.pid]) == []
