@@ -197,3 +197,13 @@ def test_the_saved_output_is_the_widget_with_a_static_summary_beside_it():
     assert "hello from 0" in html and "hello from 1" in html
     assert "<details open><summary>rank 1 log" in html  # the failed rank's log is open
     assert "rank 1: failed" in bundle["text/plain"]
+
+
+def test_text_lines_and_rows_name_the_host_when_ranks_span_hosts():
+    sink, out, _ = make(hosts={0: "node-a", 1: "node-b"})
+    sink.handle(P.Output(1, "stdout", "hi\n"))
+    sink.close(end())
+    assert out.getvalue() == "[rank 1@node-b] hi\n"
+    d, _ = dashboard(hosts={0: "node-a", 1: "node-b"})
+    d.close(P.CellEnd(1, (0, 1)))
+    assert "rank 1 <span style='color:#888'>node-b</span>" in d.table.value

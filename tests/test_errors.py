@@ -26,3 +26,19 @@ def test_cell_failed_names_every_rank_first_failure_first():
 def test_interrupted_cells_say_why():
     assert str(CellInterrupted("timeout", notes=["n"])) == "cell timed out\nn"
     assert str(CellInterrupted("interrupt")) == "cell interrupted"
+
+
+def test_ranks_on_several_hosts_are_named_with_their_host():
+    from nbddp import protocol as P
+    from nbddp.pool import raise_for_end
+
+    end = P.CellEnd(
+        1, (0, 1), errors={1: P.ErrorInfo("ValueError", "x", "tb")}, exits={0: P.RankExit(0, None)}
+    )
+    try:
+        raise_for_end(end, {0: "node-a", 1: "node-b"})
+    except CellFailed as err:
+        assert str(err).splitlines() == [
+            "rank 1 (node-b): ValueError: x",
+            "rank 0 (node-a) died (connection lost)",
+        ]

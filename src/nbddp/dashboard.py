@@ -99,12 +99,17 @@ class TextSink:
         tail: int = 1000,
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
+        hosts: dict[int, str] | None = None,
     ) -> None:
         self.quiet = quiet
+        self._tags = {r: f"[rank {r}@{h}]" for r, h in (hosts or {}).items()}
         self._head, self._tail = (0, head + tail) if quiet else (head, tail)
         self._out = stdout
         self._err = stderr
         self._logs: dict[int, _RankLog] = {}
+
+    def _tag(self, rank: int) -> str:
+        return self._tags.get(rank) or f"[rank {rank}]"
 
     def _stream(self, name: str) -> TextIO:
         if name == "stderr":
@@ -126,7 +131,7 @@ class TextSink:
             lines = event.value_repr.splitlines() or [""]
             self._stream("stdout").write(
                 "".join(
-                    f"[rank {event.rank}] {'Out: ' if i == 0 else '     '}{line}\n"
+                    f"{self._tag(event.rank)} {'Out: ' if i == 0 else '     '}{line}\n"
                     for i, line in enumerate(lines)
                 )
             )
@@ -138,7 +143,7 @@ class TextSink:
         log.total += 1
         if log.shown < log.head:
             log.shown += 1
-            self._stream(stream).write(f"[rank {rank}] {line}\n")
+            self._stream(stream).write(f"{self._tag(rank)} {line}\n")
         else:
             log.tail.append((stream, line))
 
@@ -157,9 +162,11 @@ class TextSink:
                 continue
             dropped = log.total - log.shown - len(log.tail)
             if dropped:
-                self._stream("stderr").write(f"[rank {rank}] ... {dropped} lines not shown ...\n")
+                self._stream("stderr").write(
+                    f"{self._tag(rank)} ... {dropped} lines not shown ...\n"
+                )
             for stream, line in log.tail:
-                self._stream(stream).write(f"[rank {rank}] {line}\n")
+                self._stream(stream).write(f"{self._tag(rank)} {line}\n")
             log.tail.clear()
         for out in (self._stream("stdout"), self._stream("stderr")):
             out.flush()
@@ -206,6 +213,7 @@ class Dashboard:
         keep: int = 3000,
         interval: float = 0.3,
         clock=time.monotonic,
+        hosts: dict[int, str] | None = None,
     ) -> None:
         import ipywidgets as w
 
@@ -213,6 +221,7 @@ class Dashboard:
         self.world_size = world_size
         self.backend, self.devices = backend, devices
         self.keep, self.interval, self.clock = keep, interval, clock
+        self.hosts = dict(hosts or {})
         self.views = {r: _RankView(keep) for r in self.ranks}
         self.all: deque[tuple[int, str, str]] = deque(maxlen=keep)
         self.all_dropped = 0
@@ -367,7 +376,7 @@ class Dashboard:
             style = "background:#fde7e7;" if failed else ""
             rows.append(
                 f"<tr class='nbddp-row nbddp-{view.state}' data-rank='{rank}' style='{style}'>"
-                f"<td style='padding:1px 8px'>rank {rank}</td>"
+                f"<td style='padding:1px 8px'>rank {rank}{self._host(rank)}</td>"
                 f"<td style='padding:1px 8px;color:{colour};font-weight:bold'>{view.state}</td>"
                 f"<td style='padding:1px 8px;text-align:right'>{self._elapsed(view, now)}</td>"
                 f"<td style='padding:1px 8px'>{self._progress_html(view.progress)}</td>"
@@ -380,6 +389,10 @@ class Dashboard:
             + "".join(rows)
             + "</table>"
         )
+
+    def _host(self, rank: int) -> str:
+        host = self.hosts.get(rank)
+        return f" <span style='color:#888'>{_esc(host)}</span>" if host else ""
 
     @staticmethod
     def _progress_html(p: P.RankProgress | None) -> str:

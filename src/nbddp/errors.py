@@ -33,6 +33,7 @@ __all__ = [
     "RankDied",
     "RankFailed",
     "describe_exit",
+    "rank_label",
 ]
 
 
@@ -64,6 +65,11 @@ def describe_exit(returncode: int | None) -> str:
     return f"exit code {returncode}"
 
 
+def rank_label(rank: int, host: str = "") -> str:
+    """``rank 3``, or ``rank 3 (node-b)`` when the pool spans several hosts."""
+    return f"rank {rank} ({host})" if host else f"rank {rank}"
+
+
 @dataclass(frozen=True)
 class RankFailed:
     """One rank's exception, as data."""
@@ -72,17 +78,19 @@ class RankFailed:
     exc_type: str
     message: str
     traceback: str
+    host: str = ""  # set when the pool spans several hosts
 
     @classmethod
-    def from_info(cls, rank: int, info: ErrorInfo) -> RankFailed:
-        return cls(rank, info.exc_type, info.message, info.traceback)
+    def from_info(cls, rank: int, info: ErrorInfo, host: str = "") -> RankFailed:
+        return cls(rank, info.exc_type, info.message, info.traceback, host)
 
     @property
     def summary(self) -> str:
-        return f"rank {self.rank}: {self.exc_type}: {self.message}".rstrip(": ")
+        return f"{rank_label(self.rank, self.host)}: {self.exc_type}: {self.message}".rstrip(": ")
 
     def render(self) -> list[str]:
-        return [f"--- rank {self.rank} ---", *self.traceback.rstrip("\n").splitlines()]
+        head = f"--- {rank_label(self.rank, self.host)} ---"
+        return [head, *self.traceback.rstrip("\n").splitlines()]
 
 
 @dataclass(frozen=True)
@@ -91,13 +99,14 @@ class RankDied:
 
     rank: int
     returncode: int | None
+    host: str = ""
 
     @property
     def summary(self) -> str:
-        return f"rank {self.rank} died ({describe_exit(self.returncode)})"
+        return f"{rank_label(self.rank, self.host)} died ({describe_exit(self.returncode)})"
 
     def render(self) -> list[str]:
-        return [f"--- rank {self.rank} ---", self.summary]
+        return [f"--- {rank_label(self.rank, self.host)} ---", self.summary]
 
 
 class CellFailed(NbddpError):

@@ -404,13 +404,14 @@ class DDPMagics(Magics):
     def _sink(self, pool: Pool, ranks: list[int] | None, *, text: bool, quiet: bool):
         """The widget dashboard in a front end with widgets, else ``[rank N]`` lines."""
         if quiet or text or getattr(self.shell, "kernel", None) is None:
-            return TextSink(quiet=quiet)
+            return TextSink(quiet=quiet, hosts=pool.hosts)
         devices = sorted(set(pool.devices))
         return Dashboard(
             list(range(pool.world_size)) if ranks is None else ranks,
             world_size=pool.world_size,
             backend=pool.backend_in_use,
             devices=", ".join(devices) if len(devices) <= 2 else f"{len(devices)} devices",
+            hosts=pool.hosts,
         ).show()
 
     def _finish(self, events, sink, out: str | None = None) -> P.CellEnd:
@@ -433,7 +434,7 @@ class DDPMagics(Magics):
             self._say(note)
         if out is not None:
             self.shell.user_ns[out] = [end.values.get(r) for r in range(self.pool.world_size)]
-        raise_for_end(end)
+        raise_for_end(end, self.pool.hosts if self.pool is not None else None)
         return end
 
     def close(self) -> None:

@@ -239,6 +239,12 @@ class Pool:
         """The process group's backend, as the ranks reported it."""
         return next((r.backend for r in self._ranks.values() if r.backend), self.backend or "")
 
+    @property
+    def hosts(self) -> dict[int, str]:
+        """Each rank's host, when the ranks are on more than one host (else empty)."""
+        hosts = {r.rank: r.host for r in self._ranks.values()}
+        return hosts if len(set(hosts.values())) > 1 else {}
+
     def names_on(self, ranks: list[int] | None = None) -> frozenset[str]:
         """Global names every one of ``ranks`` (all by default) has, as last reported."""
         chosen = [self._ranks[r] for r in (ranks if ranks is not None else self._ranks)]
@@ -552,6 +558,7 @@ class Pool:
                 )
             for item in self._pump(min(left, 1.0)):
                 self._handshake_item(item)
+        self._ranks = dict(sorted(self._ranks.items()))  # ranks joined in any order
 
     def _handshake_item(self, item: tuple) -> None:
         kind, rank = item[0], item[1]
@@ -890,7 +897,7 @@ class Pool:
         for event in self.run(code, want_values=True, **kwargs):
             if isinstance(event, P.CellEnd):
                 end = event
-        raise_for_end(end)
+        raise_for_end(end, self.hosts)
         return [end.values.get(r) for r in range(self.world_size)]
 
     # ------------------------------------------------------------ status
@@ -972,10 +979,18 @@ class _CellState:
         )
 
 
-def raise_for_end(end: P.CellEnd) -> None:
-    """Raise the one error that says how the cell failed, if it did."""
-    failures: list = [RankFailed.from_info(r, e) for r, e in end.errors.items()]
-    failures += [RankDied(r, x.returncode) for r, x in end.exits.items() if not x.stopped_by_pool]
+def raise_for_end(end: P.CellEnd, hosts: dict[int, str] | None = None) -> None:
+    """Raise the one error that says how the cell failed, if it did.
+
+    With ``hosts`` (a pool on several hosts), each rank is named with its host.
+    """
+    host = (hosts or {}).get
+    failures: list = [RankFailed.from_info(r, e, host(r, "")) for r, e in end.errors.items()]
+    failures += [
+        RankDied(r, x.returncode, host(r, ""))
+        for r, x in end.exits.items()
+        if not x.stopped_by_pool
+    ]
     if end.interrupted:
         raise CellInterrupted(end.interrupted, failures, list(end.notes))
     if failures:
