@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import socket
+import sys
 import time
 
 import torch
@@ -233,7 +234,7 @@ class DDPMagics(Magics):
         if args.slurm:
             try:
                 script = launch.slurm_script(
-                    args.slurm, args.world_size, reachable, args.token_file
+                    args.slurm, args.world_size, reachable, args.token_file, python=sys.executable
                 )
             except ValueError as exc:
                 pool.stop()
