@@ -119,7 +119,9 @@ def test_attach_submits_a_real_slurm_job_and_uses_its_ranks(slurm, tmp_path, mon
     shell.run_cell("%load_ext nbddp")
     try:
         result = shell.run_cell(
-            f'%ddp attach --world-size 2 --token-file {token_file} --timeout 120 --slurm "--nodes 1"')
+            f"%ddp attach --world-size 2 --token-file {token_file} --timeout 120 "
+            '--slurm "--nodes 1"'
+        )
         out = capsys.readouterr().out
         assert result.success, out
         assert "submitted SLURM job" in out and "attached 2 ranks" in out
