@@ -78,20 +78,40 @@ def slurm(tmp_path_factory):
     log = open(os.path.join(d, "daemons.log"), "wb")  # noqa: SIM115
     daemons = []
     try:
-        daemons.append(subprocess.Popen(
-            ["munged", "--foreground", "--force", f"--key-file={key}",
-             f"--socket={d}/munge.sock", f"--pid-file={d}/munge.pid",
-             f"--log-file={d}/munge.log", f"--seed-file={d}/munge.seed"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        daemons.append(
+            subprocess.Popen(
+                [
+                    "munged",
+                    "--foreground",
+                    "--force",
+                    f"--key-file={key}",
+                    f"--socket={d}/munge.sock",
+                    f"--pid-file={d}/munge.pid",
+                    f"--log-file={d}/munge.log",
+                    f"--seed-file={d}/munge.seed",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
         time.sleep(0.5)
         for daemon in ("slurmctld", "slurmd"):
-            daemons.append(subprocess.Popen([daemon, "-D", "-f", conf], env=env, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True))
+            daemons.append(
+                subprocess.Popen(
+                    [daemon, "-D", "-f", conf],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
             time.sleep(0.5)
         deadline = time.monotonic() + 30
         while True:
-            state = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True,
-                                   text=True).stdout.strip()
+            state = subprocess.run(
+                ["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True
+            ).stdout.strip()
             if state == "idle":
                 break
             if time.monotonic() > deadline or any(p.poll() is not None for p in daemons):
@@ -110,8 +130,7 @@ def slurm(tmp_path_factory):
 
 
 @pytest.mark.timeout(240)
-def test_attach_submits_a_real_slurm_job_and_uses_its_ranks(slurm, tmp_path, monkeypatch,
-                                                            capsys):
+def test_attach_submits_a_real_slurm_job_and_uses_its_ranks(slurm, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
     monkeypatch.chdir(tmp_path)  # the job's log lands here
     token_file = tmp_path / "token"
@@ -133,8 +152,9 @@ def test_attach_submits_a_real_slurm_job_and_uses_its_ranks(slurm, tmp_path, mon
         assert shell.user_ns["_slurm"] == [(2.0, job), (2.0, job)]
         shell.run_cell("%ddp stop")
         deadline = time.monotonic() + 60
-        while subprocess.run(["squeue", "-h", "-j", job], env=slurm, capture_output=True,
-                             text=True).stdout.strip():
+        while subprocess.run(
+            ["squeue", "-h", "-j", job], env=slurm, capture_output=True, text=True
+        ).stdout.strip():
             assert time.monotonic() < deadline, "the job did not end after %ddp stop"
             time.sleep(0.5)
     finally:
