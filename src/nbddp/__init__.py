@@ -6,6 +6,8 @@ torch.distributed process group that persist across cells.
 
 from __future__ import annotations
 
+from .api import in_torchddp, ranch
+from .collectives import all_to_all, gather_tensors
 from .ddp import DDPContext
 from .errors import (
     CaptureError,
@@ -35,8 +37,12 @@ __all__ = [
     "RankFailed",
     "RankStatus",
     "__version__",
+    "all_to_all",
+    "gather_tensors",
+    "in_torchddp",
     "load_ipython_extension",
     "progress",
+    "ranch",
     "unload_ipython_extension",
 ]
 

@@ -1,26 +1,85 @@
-"""DDPContext: the process group and device of one rank.
+"""DDPContext: the process group, device, seed, subgroups and mesh of one rank.
 
 The worker uses it to join its pool's group; a script run under ``torchrun``
 can use it on its own::
 
-    with DDPContext() as ddp:          # reads RANK, WORLD_SIZE, MASTER_ADDR, ... (env://)
+    with DDPContext(seed=0, mesh="dp=2,tp=2") as ddp:   # env:// from torchrun
         model = DDP(model.to(ddp.device))
+        tp_group = ddp.mesh["tp"].get_group()
 """
 
 from __future__ import annotations
 
 import os
+import random
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DDPContext", "default_backend"]
+__all__ = ["DDPContext", "default_backend", "parse_groups", "parse_mesh", "seed_everything"]
+
+DEVICES = ("cpu", "gpu", "mps")
 
 
-def default_backend() -> str:
-    """nccl when this process sees a CUDA device, else gloo."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(device: str | None = None) -> str:
+    """nccl when the rank uses a CUDA device, else gloo."""
+    if device == "gpu" or (device is None and torch.cuda.is_available()):
+        return "nccl"
+    return "gloo"
+
+
+def check_device(device: str | None) -> None:
+    """A clear error when ``--device`` asks for hardware this machine lacks."""
+    if device not in (None, *DEVICES):
+        raise ValueError(f"unknown device {device!r} (choose cpu, gpu or mps)")
+    if device == "gpu" and not torch.cuda.is_available():
+        raise ValueError("--device gpu: no CUDA GPU is visible here")
+    if device == "mps" and not (
+        hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
+    ):
+        raise ValueError("--device mps: Apple's Metal (MPS) is not available here")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's ``random``, numpy (if installed) and torch (CPU and CUDA)."""
+    random.seed(seed)
+    try:
+        import numpy
+
+        numpy.random.seed(seed)
+    except ImportError:
+        pass
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def parse_groups(text: str | None) -> list[list[int]]:
+    """``"0,2;1,3"`` -> ``[[0, 2], [1, 3]]``."""
+    if not text:
+        return []
+    groups = []
+    for part in text.split(";"):
+        try:
+            groups.append([int(r) for r in part.split(",") if r.strip()])
+        except ValueError:
+            raise ValueError(f"groups look like '0,2;1,3', not {text!r}") from None
+    return groups
+
+
+def parse_mesh(text: str | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``"dp=2,tp=2"`` -> ``(("dp", "tp"), (2, 2))``."""
+    if not text:
+        return (), ()
+    names, sizes = [], []
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if not name.strip().isidentifier() or not size.strip().isdigit() or int(size) < 1:
+            raise ValueError(f"a mesh looks like 'dp=2,tp=2', not {text!r}")
+        names.append(name.strip())
+        sizes.append(int(size))
+    return tuple(names), tuple(sizes)
 
 
 class DDPContext:
@@ -29,6 +88,8 @@ class DDPContext:
     Without ``store`` the group is formed from torchrun's environment
     (``env://``). With a ``store`` (a ``TCPStore``), ``rank`` and ``world_size``
     must be given. On CUDA the current device becomes ``cuda:LOCAL_RANK``.
+    ``seed`` seeds every generator; ``groups`` ("0,2;1,3") makes subgroups
+    (``.group`` is this rank's); ``mesh`` ("dp=2,tp=2") makes a DeviceMesh.
     """
 
     def __init__(
@@ -39,17 +100,30 @@ class DDPContext:
         rank: int | None = None,
         world_size: int | None = None,
         timeout: float | None = None,
+        device: str | None = None,
+        seed: int | None = None,
+        groups: str | None = None,
+        mesh: str | None = None,
     ) -> None:
-        self.backend = backend or default_backend()
+        check_device(device)
+        self.device_kind = device
+        self.backend = backend or default_backend(device)
         self.store = store
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.timeout = timeout
+        self.seed = seed
+        self.group_spec, self.mesh_spec = groups, mesh
         self.device = self._pick_device()
+        self.group: dist.ProcessGroup | None = None
+        self.groups: list = []
+        self.mesh = None
 
     def _pick_device(self) -> torch.device:
-        if self.backend == "nccl":
+        if self.device_kind == "mps":
+            return torch.device("mps")
+        if self.backend == "nccl" or self.device_kind == "gpu":
             return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
 
@@ -63,7 +137,25 @@ class DDPContext:
             kwargs.update(init_method="env://")
         if not dist.is_initialized():
             dist.init_process_group(self.backend, **kwargs)
+        self.setup()
         return self
+
+    def setup(self) -> None:
+        """Seed, subgroups and mesh over the current default group (again after a re-form)."""
+        if self.seed is not None:
+            seed_everything(self.seed)
+        self.groups = [dist.new_group(g) for g in parse_groups(self.group_spec)]
+        mine = [
+            g
+            for g, ranks in zip(self.groups, parse_groups(self.group_spec), strict=True)
+            if self.rank in ranks
+        ]
+        self.group = mine[0] if mine else None
+        names, sizes = parse_mesh(self.mesh_spec)
+        if names:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.mesh = init_device_mesh(self.device.type, sizes, mesh_dim_names=names)
 
     def __exit__(self, *exc: object) -> None:
         if dist.is_initialized():

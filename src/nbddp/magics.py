@@ -7,6 +7,7 @@ IPython) before the pool is touched, so it leaves the pool as it was.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import socket
 import sys
@@ -22,7 +23,7 @@ from . import protocol as P
 from .dashboard import Dashboard, TextSink
 from .errors import CaptureError, CellInterrupted, PoolStartError
 from .launch import START_METHODS
-from .pool import Pool, raise_for_end
+from .pool import Pool, default_pool, raise_for_end, set_default_pool
 
 __all__ = ["DDPMagics", "load", "unload"]
 
@@ -92,6 +93,13 @@ def ddp_cell(line, cell):
 @argument("--grace", type=_seconds, help="seconds an interrupted rank gets before a restart (3)")
 @argument("--no-auto", action="store_true", help="no automatic capture for this pool")
 @argument("--auto-limit", default="100MB", help="largest object captured automatically (100MB)")
+@argument("--device", choices=("cpu", "gpu", "mps"), help="default: gpu when CUDA is visible")
+@argument("--gpus", help="which GPUs the ranks use, in order: '0,3'")
+@argument("--seed", type=int, help="seed random, numpy and torch on every rank (and restarts)")
+@argument("--groups", help="process subgroups, bound as `group` on each rank: '0,2;1,3'")
+@argument("--mesh", help="a DeviceMesh bound as `mesh`: 'dp=2,tp=2' (product = world size)")
+@argument("--log-dir", help="every rank's output to DIR/{rank}/stdout.log, stderr.log")
+@argument("--tee", help="ranks whose output the notebook shows (all): the rest only in --log-dir")
 def ddp_start(line):
     """Start the pool (restarting it with these options if one runs)."""
 
@@ -130,14 +138,23 @@ class DDPMagics(Magics):
 
     def __init__(self, shell) -> None:
         super().__init__(shell)
-        self.pool: Pool | None = None
         self.options: dict = {}
         self.auto = True
         self.auto_limit = 100 * 2**20
+        self.tee: list[int] | None = None  # ranks whose output is shown (None: all)
         self.import_log: list[str] = []  # the notebook's import statements, in order
         self._replayed = (-1, 0)  # (pool generation, imports replayed to all its ranks)
         self._shipped = capture.Shipped()
         shell.events.register("post_run_cell", self._record_imports)
+
+    @property
+    def pool(self) -> Pool | None:
+        """The pool this notebook uses, shared with ``nbddp.ranch``."""
+        return default_pool()
+
+    @pool.setter
+    def pool(self, pool: Pool | None) -> None:
+        set_default_pool(pool)
 
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None):
@@ -177,7 +194,10 @@ class DDPMagics(Magics):
             pool.stop()
             pool = None
         if pool is None:
-            self.pool, self.options = Pool(size, **options), options
+            try:
+                self.pool, self.options = Pool(size, **options), options
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
             pool = self.pool
         if not pool.started and not pool.needs_restart:
             t0 = time.perf_counter()
@@ -197,11 +217,22 @@ class DDPMagics(Magics):
         args = parse_argstring(ddp_start, rest)
         self.auto_limit = capture.parse_size(args.auto_limit)
         self.auto = not args.no_auto
+        try:
+            gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
+        except ValueError:
+            raise UsageError(f"--gpus takes GPU numbers like 0,3, not {args.gpus!r}") from None
+        self.tee = capture.parse_ranks(args.tee) if args.tee else None
         options = {
             "backend": args.backend,
             "start_method": args.start_method,
             "pg_timeout": args.timeout,
             "grace": args.grace,
+            "device": args.device,
+            "gpus": gpus,
+            "seed": args.seed,
+            "groups": args.groups,
+            "mesh": args.mesh,
+            "log_dir": os.path.abspath(os.path.expanduser(args.log_dir)) if args.log_dir else None,
         }
         if self.pool is not None:
             self.pool.stop()
@@ -423,7 +454,8 @@ class DDPMagics(Magics):
                 for event in events:
                     if isinstance(event, P.CellEnd):
                         end = event
-                    sink.handle(event)
+                    if self._teed(event):
+                        sink.handle(event)
                 break
             except KeyboardInterrupt:
                 if self.pool is not None:
@@ -437,6 +469,10 @@ class DDPMagics(Magics):
             self.shell.user_ns[out] = [end.values.get(r) for r in range(self.pool.world_size)]
         raise_for_end(end, self.pool.hosts if self.pool is not None else None)
         return end
+
+    def _teed(self, event: object) -> bool:
+        """With ``--tee``, output of the other ranks goes only to the log directory."""
+        return self.tee is None or not isinstance(event, P.Output) or event.rank in self.tee
 
     def close(self) -> None:
         self.shell.events.unregister("post_run_cell", self._record_imports)

@@ -18,6 +18,8 @@ import atexit
 import codecs
 import contextlib
 import itertools
+import json
+import math
 import os
 import pickle
 import queue
@@ -27,6 +29,7 @@ import shutil
 import signal
 import socket
 import struct
+import sys
 import tempfile
 import threading
 import time
@@ -38,6 +41,7 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 
 from . import capture, payload
 from . import protocol as P
+from .ddp import check_device, parse_groups, parse_mesh
 from .errors import (
     CellFailed,
     CellInterrupted,
@@ -53,6 +57,16 @@ from .launch import START_METHODS, Launcher, make_launcher
 __all__ = ["Pool", "RankStatus"]
 
 _LIVE_POOLS: weakref.WeakSet[Pool] = weakref.WeakSet()
+_default: Pool | None = None  # the pool %%ddp and nbddp.ranch share
+
+
+def default_pool() -> Pool | None:
+    return _default
+
+
+def set_default_pool(pool: Pool | None) -> None:
+    global _default
+    _default = pool
 
 
 @atexit.register
@@ -167,6 +181,12 @@ class Pool:
         listen: tuple[str, int] | None = None,
         token: bytes | None = None,
         on_join=None,
+        device: str | None = None,
+        gpus: list[int] | None = None,
+        seed: int | None = None,
+        groups: str | None = None,
+        mesh: str | None = None,
+        log_dir: str | None = None,
     ) -> None:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"the world size must be a whole number >= 1, not {n!r}")
@@ -176,6 +196,11 @@ class Pool:
             )
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"unknown backend {backend!r} (choose gloo or nccl)")
+        self._check_layout(n, device, gpus, groups, mesh)
+        self.device, self.gpus, self.seed = device, gpus, seed
+        self.groups, self.mesh = groups, mesh
+        self.log_dir = log_dir
+        self._logs: dict[tuple[int, str], object] = {}  # (rank, stream) -> open log file
         self.world_size = n
         self.start_method = start_method
         self.backend = backend
@@ -209,6 +234,22 @@ class Pool:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+
+    @staticmethod
+    def _check_layout(n, device, gpus, groups, mesh) -> None:
+        """Refuse, before anything starts, options that cannot fit ``n`` ranks."""
+        check_device(device)
+        if gpus is not None and len(gpus) < n:
+            raise ValueError(f"--gpus names {len(gpus)} GPUs for {n} ranks")
+        for group in parse_groups(groups):
+            if not group or any(not 0 <= r < n for r in group):
+                raise ValueError(f"--groups: every group needs ranks 0..{n - 1}, not {group}")
+        names, sizes = parse_mesh(mesh)
+        if names and math.prod(sizes) != n:
+            raise ValueError(
+                f"--mesh {mesh}: {' x '.join(map(str, sizes))} = {math.prod(sizes)} ranks, "
+                f"but the world size is {n}"
+            )
 
     def __del__(self) -> None:
         for fd in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
@@ -351,6 +392,7 @@ class Pool:
             LOCAL_WORLD_SIZE=str(self.world_size),
             GROUP_RANK="0",
             MASTER_ADDR="127.0.0.1",
+            NBDDP_SYS_PATH=os.pathsep.join(p for p in sys.path if p),  # what it can import
             NBDDP_TOKEN=self._token.decode(),
             MPLBACKEND="module://nbddp.mpl_backend",
         )
@@ -360,6 +402,16 @@ class Pool:
             env["NBDDP_BACKEND"] = self.backend
         if self.pg_timeout:
             env["NBDDP_PG_TIMEOUT"] = str(self.pg_timeout)
+        for var, value in (
+            ("NBDDP_DEVICE", self.device),
+            ("NBDDP_SEED", self.seed),
+            ("NBDDP_GROUPS", self.groups),
+            ("NBDDP_MESH", self.mesh),
+        ):
+            if value is not None:
+                env[var] = str(value)
+        if self.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus))
         env.update(self.extra_env)
         return env
 
@@ -374,6 +426,9 @@ class Pool:
                     conn.close()
         self._ranks.clear()
         self._interrupt_at = self._interrupt_reason = None
+        for log in self._logs.values():
+            log.close()
+        self._logs.clear()
         if not keep_launcher:
             if self._launcher is not None:
                 self._launcher.close()
@@ -447,8 +502,34 @@ class Pool:
                     return self._stream_items(r, s, s.read())
         return []
 
-    @staticmethod
-    def _stream_items(r: _Rank, s: _Stream, pieces: list[str | int]) -> list[tuple]:
+    def _log_text(self, rank: int, stream: str, text: str) -> None:
+        """With ``log_dir``: ``DIR/{rank}/{stream}.log``, written as output arrives."""
+        key = (rank, stream)
+        if key not in self._logs:
+            os.makedirs(os.path.join(self.log_dir, str(rank)), exist_ok=True)
+            path = os.path.join(self.log_dir, str(rank), f"{stream}.log")
+            self._logs[key] = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+        self._logs[key].write(text)
+
+    def _log_error(self, rank: int, error: P.ErrorInfo) -> None:
+        """With ``log_dir``: ``DIR/{rank}/error.json`` for a rank whose cell failed."""
+        os.makedirs(os.path.join(self.log_dir, str(rank)), exist_ok=True)
+        record = {
+            "rank": rank,
+            "pid": self._ranks[rank].pid,
+            "exc_type": error.exc_type,
+            "message": error.message,
+            "traceback": error.traceback,
+            "timestamp": time.time(),
+        }
+        with open(os.path.join(self.log_dir, str(rank), "error.json"), "w") as f:
+            json.dump(record, f, indent=2)
+
+    def _stream_items(self, r: _Rank, s: _Stream, pieces: list[str | int]) -> list[tuple]:
+        if self.log_dir is not None:
+            for p in pieces:
+                if isinstance(p, str):
+                    self._log_text(r.rank, s.name, p)
         return [
             ("mark", r.rank, s.name, p) if isinstance(p, int) else ("text", r.rank, s.name, p)
             for p in pieces
@@ -758,6 +839,8 @@ class Pool:
             st.unfinished.discard(rank)
             if st.done[rank].status != "ok" and st.failed_at is None:
                 st.failed_at = time.monotonic()
+            if st.done[rank].error is not None and self.log_dir is not None:
+                self._log_error(rank, st.done[rank].error)
             yield from st.finish(rank)
 
     # ------------------------------------------------------------ collectives left waiting

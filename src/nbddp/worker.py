@@ -116,6 +116,16 @@ def _open_figure_managers() -> list:
     return Gcf.get_all_fig_managers()
 
 
+def _layout(ctx: DDPContext) -> dict:
+    """``group`` and ``mesh`` for the namespace, when the pool was started with them."""
+    bound = {}
+    if ctx.group_spec:
+        bound["group"] = ctx.group
+    if ctx.mesh_spec:
+        bound["mesh"] = ctx.mesh
+    return bound
+
+
 def _unwrap(value: object) -> object:
     """A model trained under DDP comes back as the plain module it wraps."""
     ddp = sys.modules.get("torch.nn.parallel")
@@ -292,16 +302,23 @@ class Worker:
                 assert isinstance(msg, P.JoinGroup), msg
                 store = dist.TCPStore(addr, msg.port, self.world_size, False)
             os.environ["MASTER_PORT"] = str(store.port)
-        timeout = os.environ.get("NBDDP_PG_TIMEOUT")
+        env = os.environ
+        timeout, seed = env.get("NBDDP_PG_TIMEOUT"), env.get("NBDDP_SEED")
         ctx = DDPContext(
-            os.environ.get("NBDDP_BACKEND") or default_backend(),
+            env.get("NBDDP_BACKEND") or default_backend(env.get("NBDDP_DEVICE")),
             store=store,
             rank=self.rank,
             world_size=self.world_size,
             timeout=float(timeout) if timeout else None,
+            device=env.get("NBDDP_DEVICE"),
+            seed=int(seed) if seed and not fresh else None,  # seeded at start, not re-forms
+            groups=env.get("NBDDP_GROUPS"),
+            mesh=env.get("NBDDP_MESH"),
         )
         ctx.__enter__()
         self.backend, self.device = ctx.backend, str(ctx.device)
+        if self.namespace:  # a re-form: the new group's subgroups and mesh replace the old
+            self.namespace.update(_layout(ctx))
         return ctx
 
     def _abort_group(self) -> None:
@@ -334,6 +351,7 @@ class Worker:
             local_rank=ctx.local_rank,
             world_size=ctx.world_size,
             device=ctx.device,
+            **_layout(ctx),
         )
         sys.modules["__main__"] = main
         self.namespace = main.__dict__
@@ -488,6 +506,13 @@ def _read_token(path: str | None) -> bytes:
     return token.encode()
 
 
+def _extend_sys_path() -> None:
+    """Whatever the notebook can import, its ranks can import too (local pools)."""
+    for path in reversed(os.environ.get("NBDDP_SYS_PATH", "").split(os.pathsep)):
+        if path and path not in sys.path:
+            sys.path.insert(1, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nbddp.worker", description=__doc__)
     parser.add_argument(
@@ -496,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-file", help="file holding the pool's token (else $NBDDP_TOKEN)")
     parser.add_argument("--connect-timeout", type=float, default=60.0)
     args = parser.parse_args(argv)
+    _extend_sys_path()
     token = _read_token(args.token_file)
     try:
         control = connect(args.connect, token, args.connect_timeout)

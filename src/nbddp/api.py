@@ -1,0 +1,90 @@
+"""The function API on the same pool as the magics (mpify's ``ranch`` and friends).
+
+>>> import nbddp
+>>> nbddp.ranch(2, lambda x: x * 10, 3)                 # on ranks 0 and 1
+[30, 30]
+>>> nbddp.in_torchddp(2, train, model, epochs=3)        # rank 0's result
+"""
+
+from __future__ import annotations
+
+import sys
+
+from . import capture
+from . import protocol as P
+from .dashboard import TextSink
+from .pool import Pool, default_pool, raise_for_end, set_default_pool
+
+__all__ = ["in_torchddp", "ranch"]
+
+CALL = """\
+try:
+    if __nbddp_ctx is None:
+        __nbddp_out = __nbddp_fn(*__nbddp_args, **__nbddp_kwargs)
+    else:
+        with __nbddp_ctx:
+            __nbddp_out = __nbddp_fn(*__nbddp_args, **__nbddp_kwargs)
+finally:
+    del __nbddp_fn, __nbddp_args, __nbddp_kwargs, __nbddp_ctx
+__nbddp_out"""
+
+
+def _pool_of(nprocs: int) -> Pool:
+    """The shared pool, started or resized to ``nprocs`` ranks."""
+    pool = default_pool()
+    if pool is not None and pool.world_size != nprocs:
+        if pool.started:
+            print(f"nbddp: restarting the pool with {nprocs} rank{'s' * (nprocs > 1)}")
+        pool.stop()
+        pool = None
+    if pool is None:
+        pool = Pool(nprocs)
+        set_default_pool(pool)
+    if not pool.started and not pool.needs_restart:
+        pool.start()
+    return pool
+
+
+def ranch(
+    nprocs: int,
+    fn,
+    *args,
+    need: str = "",
+    imports: str = "",
+    ctx=None,
+    gather: bool = True,
+    caller_rank: int = 0,
+    **kwargs,
+):
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks of the pool.
+
+    ``need``: names from the caller's globals to bind on the ranks ("a b" or
+    "a,b"); ``imports``: import statements run there first (several lines,
+    ``from a import (b, c)`` too); ``ctx``: a context manager entered around
+    the call on every rank. Returns the results by rank (``gather=True``) or
+    rank ``caller_rank``'s. Output is printed as ``[rank N] line``; rank
+    errors raise :class:`~nbddp.CellFailed`.
+    """
+    if not 0 <= caller_rank < nprocs:
+        raise ValueError(f"caller_rank {caller_rank} is not a rank of {nprocs}")
+    caller = sys._getframe(1).f_globals
+    objects = capture.collect(capture.split_names(need), caller)
+    objects.update(__nbddp_fn=fn, __nbddp_args=args, __nbddp_kwargs=kwargs, __nbddp_ctx=ctx)
+    imports = capture.check_imports(imports)
+    pool = _pool_of(nprocs)
+    needs = capture.pack(objects, shared=not pool.attached)
+    sink, end = TextSink(), None
+    for event in pool.run(CALL, needs=needs, imports=imports, want_values=True):
+        if isinstance(event, P.CellEnd):
+            end = event
+        elif not isinstance(event, P.RankResult):
+            sink.handle(event)
+    sink.close(end)
+    raise_for_end(end, pool.hosts)
+    values = [end.values.get(r) for r in range(nprocs)]
+    return values if gather else values[caller_rank]
+
+
+def in_torchddp(nprocs: int, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on ``nprocs`` ranks; rank 0's result."""
+    return ranch(nprocs, fn, *args, gather=False, caller_rank=0, **kwargs)
