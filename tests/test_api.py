@@ -180,6 +180,9 @@ def test_devices_that_are_not_there_are_clear_errors():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="--device gpu: no CUDA GPU is visible here"):
             Pool(2, device="gpu")
+    if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        with pytest.raises(ValueError, match=r"--device mps: Apple's Metal \(MPS\) is not"):
+            Pool(2, device="mps")
     with pytest.raises(ValueError, match="--gpus names 1 GPUs for 2 ranks"):
         Pool(2, gpus=[0])
     with pytest.raises(
