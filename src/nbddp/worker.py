@@ -317,6 +317,8 @@ class Worker:
         )
         ctx.__enter__()
         self.backend, self.device = ctx.backend, str(ctx.device)
+        if ctx.device.type == "cpu":  # as `accelerate launch --cpu` says: CPU ranks, not one
+            os.environ.setdefault("ACCELERATE_USE_CPU", "true")
         if self.namespace:  # a re-form: the new group's subgroups and mesh replace the old
             self.namespace.update(_layout(ctx))
         return ctx
