@@ -87,6 +87,174 @@ QUICKSTART = [
 ]
 
 
+ACCELERATE = [
+    new_markdown_cell(
+        "# Hugging Face accelerate inside `%%ddp`\n\n"
+        "`Accelerator()` reads the environment torchrun would set, which every rank has, "
+        "and finds the process group already formed. No `notebook_launcher`: the ranks "
+        "are already running, and they keep their state between cells."
+    ),
+    new_code_cell("%load_ext nbddp"),
+    new_code_cell(
+        "%%ddp -n 2\n"
+        "import torch\n"
+        "from accelerate import Accelerator\n"
+        "acc = Accelerator()\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))\n"
+        "loader = torch.utils.data.DataLoader(data, batch_size=8)\n"
+        "model, opt, loader = acc.prepare(model, opt, loader)\n"
+        "print(acc.distributed_type, acc.num_processes, acc.process_index)"
+    ),
+    new_code_cell(
+        "%%ddp\n"
+        "for epoch in range(3):\n"
+        "    for x, y in loader:\n"
+        "        loss = torch.nn.functional.mse_loss(model(x), y)\n"
+        "        acc.backward(loss)\n"
+        "        opt.step()\n"
+        "        opt.zero_grad()\n"
+        "    acc.print(f'epoch {epoch}: loss {loss.item():.4f}')   # rank 0 only"
+    ),
+    new_markdown_cell(
+        "An existing `notebook_launcher(train, args)` function runs with `nbddp.ranch`:"
+    ),
+    new_code_cell(
+        "import nbddp\n\n"
+        "def train(lr):\n"
+        "    import torch\n"
+        "    from accelerate import Accelerator\n"
+        "    acc = Accelerator()\n"
+        "    model = torch.nn.Linear(4, 1)\n"
+        "    opt = torch.optim.SGD(model.parameters(), lr=lr)\n"
+        "    model, opt = acc.prepare(model, opt)\n"
+        "    loss = model(torch.randn(8, 4)).pow(2).mean()\n"
+        "    acc.backward(loss)\n"
+        "    opt.step()\n"
+        "    return acc.process_index, round(loss.item(), 4)\n\n"
+        "nbddp.ranch(2, train, 0.1)      # was: notebook_launcher(train, (0.1,), num_processes=2)"
+    ),
+    new_code_cell("%ddp stop"),
+]
+
+LIGHTNING = [
+    new_markdown_cell(
+        "# Lightning inside `%%ddp`\n\n"
+        'Use `strategy="ddp"`: Lightning sees torchrun\'s environment and attaches to the '
+        "running ranks. The spawning strategies (`ddp_spawn`, `ddp_notebook`) start "
+        "processes of their own; inside `%%ddp` they fail, and nbddp says why."
+    ),
+    new_code_cell("%load_ext nbddp"),
+    new_code_cell(
+        "%%ddp -n 2\n"
+        "import torch, lightning as L\n"
+        "fabric = L.Fabric(accelerator='cpu', strategy='ddp', devices=world_size)\n"
+        "fabric.launch()\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "model, opt = fabric.setup(model, opt)\n"
+        "for step in range(5):\n"
+        "    loss = model(torch.randn(8, 4)).pow(2).mean()\n"
+        "    fabric.backward(loss)\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+        "fabric.print(f'fabric: world {fabric.world_size}, loss {loss.item():.4f}')"
+    ),
+    new_code_cell(
+        "%%ddp\n"
+        "class Lit(L.LightningModule):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.layer = torch.nn.Linear(4, 1)\n"
+        "    def training_step(self, batch, i):\n"
+        "        x, y = batch\n"
+        "        return torch.nn.functional.mse_loss(self.layer(x), y)\n"
+        "    def configure_optimizers(self):\n"
+        "        return torch.optim.SGD(self.parameters(), lr=0.1)\n"
+        "pairs = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))\n"
+        "data = torch.utils.data.DataLoader(pairs, batch_size=8)\n"
+        "trainer = L.Trainer(accelerator='cpu', strategy='ddp', devices=world_size, max_epochs=2,\n"
+        "                    logger=False, enable_checkpointing=False, enable_progress_bar=False)\n"
+        "trainer.fit(Lit(), data)\n"
+        "print('trainer:', trainer.world_size, trainer.global_rank, trainer.global_step)"
+    ),
+    new_code_cell("%ddp stop"),
+]
+
+TRANSFORMERS = [
+    new_markdown_cell(
+        "# transformers' `Trainer` inside `%%ddp`\n\n"
+        "A tiny GPT-2 built from a config (nothing is downloaded), trained with DDP on "
+        "every rank."
+    ),
+    new_code_cell("%load_ext nbddp"),
+    new_code_cell(
+        "%%ddp -n 2\n"
+        "import torch, tempfile\n"
+        "from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments\n"
+        "torch.manual_seed(0)\n"
+        "model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=100,\n"
+        "                                   n_positions=16))\n"
+        "class Tokens(torch.utils.data.Dataset):\n"
+        "    def __len__(self):\n"
+        "        return 64\n"
+        "    def __getitem__(self, i):\n"
+        "        ids = torch.randint(0, 100, (16,), generator=torch.Generator().manual_seed(i))\n"
+        "        return {'input_ids': ids, 'labels': ids}\n"
+        "args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4,\n"
+        "                         max_steps=5, report_to=[], use_cpu=True, save_strategy='no',\n"
+        "                         disable_tqdm=True, logging_steps=5)\n"
+        "result = Trainer(model=model, args=args, train_dataset=Tokens()).train()\n"
+        "print(args.parallel_mode, 'world', args.world_size, 'steps', result.global_step)"
+    ),
+    new_code_cell("%ddp stop"),
+]
+
+FSDP_TP = [
+    new_markdown_cell(
+        "# FSDP2 and tensor parallel inside `%%ddp`\n\n"
+        "`fully_shard` and `parallelize_module` over a `DeviceMesh`, on CPU with gloo "
+        "(on GPUs with NCCL when there are GPUs). `%ddp start --mesh dp=2` would bind the "
+        "mesh as `mesh` on every rank."
+    ),
+    new_code_cell("%load_ext nbddp"),
+    new_code_cell(
+        "%%ddp -n 2\n"
+        "import torch\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "dp = init_device_mesh(device.type, (world_size,), mesh_dim_names=('dp',))\n"
+        "torch.manual_seed(0)\n"
+        "net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),\n"
+        "                          torch.nn.Linear(64, 1)).to(device)\n"
+        "for layer in (net[0], net[2]):\n"
+        "    fully_shard(layer, mesh=dp)\n"
+        "fully_shard(net, mesh=dp)\n"
+        "opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+        "for step in range(5):\n"
+        "    loss = net(torch.randn(8, 16, device=device)).pow(2).mean()\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+        "print('shard of the first weight:', tuple(net[0].weight.to_local().shape),\n"
+        "      'of', tuple(net[0].weight.shape), 'loss', round(loss.item(), 4))"
+    ),
+    new_code_cell(
+        "%%ddp\n"
+        "from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,\n"
+        "                                               parallelize_module)\n"
+        "tp = init_device_mesh(device.type, (world_size,), mesh_dim_names=('tp',))\n"
+        "mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),\n"
+        "                          torch.nn.Linear(32, 8)).to(device)\n"
+        "parallelize_module(mlp, tp, {'0': ColwiseParallel(), '2': RowwiseParallel()})\n"
+        "y = mlp(torch.ones(2, 8, device=device))\n"
+        "print('column shard', tuple(mlp[0].weight.to_local().shape), 'output', tuple(y.shape))"
+    ),
+    new_code_cell("%ddp stop"),
+]
+
+
 def write(name: str, cells: list) -> None:
     nb = new_notebook(cells=cells)
     nb.metadata["kernelspec"] = {
@@ -99,3 +267,7 @@ def write(name: str, cells: list) -> None:
 
 if __name__ == "__main__":
     write("01-quickstart.ipynb", QUICKSTART)
+    write("10-accelerate.ipynb", ACCELERATE)
+    write("11-lightning.ipynb", LIGHTNING)
+    write("12-transformers.ipynb", TRANSFORMERS)
+    write("13-fsdp2-tensor-parallel.ipynb", FSDP_TP)

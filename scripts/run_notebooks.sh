@@ -9,11 +9,14 @@ from pathlib import Path
 import nbclient
 import nbformat
 
+here = str(Path.cwd()) + "/"
 for path in sorted(Path("notebooks").glob("*.ipynb")):
     nb = nbformat.read(path, as_version=4)
     nbclient.NotebookClient(
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": "notebooks"}}
     ).execute()
-    nbformat.write(nb, path)
+    # saved outputs name files relative to the checkout, not to this machine
+    text = nbformat.writes(nb).replace(here, "")
+    path.write_text(text)
     print("executed", path)
 PY

@@ -25,7 +25,7 @@ from .errors import CaptureError, CellInterrupted, PoolStartError
 from .launch import START_METHODS
 from .pool import Pool, default_pool, raise_for_end, set_default_pool
 
-__all__ = ["DDPMagics", "load", "unload"]
+__all__ = ["DDPMagics", "launcher_hints", "load", "unload"]
 
 SUBCOMMANDS = ("start", "attach", "status", "restart", "stop", "interrupt", "push", "pull")
 
@@ -50,6 +50,27 @@ def _seconds(text: str) -> float:
     if s <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, not {text}")
     return s
+
+
+# Frameworks that start processes of their own inside a rank fail obscurely; say why.
+LAUNCHER_HINTS = (
+    (("notebook_launcher",),
+     "accelerate's notebook_launcher starts processes of its own, but in %%ddp the ranks "
+     "already run: call the training function directly in the cell, or run "
+     "nbddp.ranch(N, fn, *args) from the notebook"),
+    (("ddp_notebook", "ddp_spawn", "To spawn processes with the `DDPStrategy`"),
+     "Lightning's spawning strategies (ddp_spawn, ddp_notebook) start processes of their "
+     "own: use strategy=\"ddp\" in %%ddp, which attaches to the running ranks"),
+    (("torch.multiprocessing.spawn", "mp.spawn("),
+     "torch.multiprocessing.spawn starts processes of its own: in %%ddp, run the function "
+     "on every rank directly"),
+)
+
+
+def launcher_hints(end: P.CellEnd) -> list[str]:
+    """One line for each framework launcher found in the failed ranks' tracebacks."""
+    text = "\n".join(e.traceback + e.message for e in end.errors.values())
+    return [hint for needles, hint in LAUNCHER_HINTS if any(n in text for n in needles)]
 
 
 def parse_argstring(magic, line: str) -> argparse.Namespace:
@@ -463,7 +484,7 @@ class DDPMagics(Magics):
         sink.close(end)
         if end is None:
             raise CellInterrupted("interrupt", notes=["the pool was stopped"])
-        for note in end.notes:
+        for note in [*end.notes, *launcher_hints(end)]:
             self._say(note)
         if out is not None:
             self.shell.user_ns[out] = [end.values.get(r) for r in range(self.pool.world_size)]
