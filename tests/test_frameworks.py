@@ -10,16 +10,18 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from helpers import collect
 from IPython.core.interactiveshell import InteractiveShell
 
 import nbddp
+from helpers import collect
 from nbddp import Pool
 
 
 def needs(module: str):
-    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
-                              reason=f"needs {module} (pip install -e '.[frameworks]')")
+    return pytest.mark.skipif(
+        importlib.util.find_spec(module) is None,
+        reason=f"needs {module} (pip install -e '.[frameworks]')",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +214,7 @@ def test_a_notebook_launcher_function_runs_through_ranch_with_state_kept():
 
     first = nbddp.ranch(2, train, 0.1, 3)
     assert [r for r, _ in first] == [0, 1] and first[0][1] == first[1][1]
-    assert nbddp.ranch(2, lambda: type(trained).__name__) == ["Linear", "Linear"]  # noqa: F821
+    assert nbddp.ranch(2, lambda: type(trained).__name__) == ["Linear", "Linear"]
 
 
 @needs("accelerate")
@@ -223,7 +225,8 @@ def test_a_framework_launcher_inside_a_rank_gets_a_clear_hint(capsys):
         capsys.readouterr()
         result = shell.run_cell(
             "%%ddp -n 2 --text\nfrom accelerate import notebook_launcher\n"
-            "notebook_launcher(print, (), num_processes=2)")
+            "notebook_launcher(print, (), num_processes=2)"
+        )
         out = capsys.readouterr().out
         assert not result.success
         assert "accelerate's notebook_launcher starts processes of its own" in out

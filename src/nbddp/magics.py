@@ -54,16 +54,22 @@ def _seconds(text: str) -> float:
 
 # Frameworks that start processes of their own inside a rank fail obscurely; say why.
 LAUNCHER_HINTS = (
-    (("notebook_launcher",),
-     "accelerate's notebook_launcher starts processes of its own, but in %%ddp the ranks "
-     "already run: call the training function directly in the cell, or run "
-     "nbddp.ranch(N, fn, *args) from the notebook"),
-    (("ddp_notebook", "ddp_spawn", "To spawn processes with the `DDPStrategy`"),
-     "Lightning's spawning strategies (ddp_spawn, ddp_notebook) start processes of their "
-     "own: use strategy=\"ddp\" in %%ddp, which attaches to the running ranks"),
-    (("torch.multiprocessing.spawn", "mp.spawn("),
-     "torch.multiprocessing.spawn starts processes of its own: in %%ddp, run the function "
-     "on every rank directly"),
+    (
+        ("notebook_launcher",),
+        "accelerate's notebook_launcher starts processes of its own, but in %%ddp the ranks "
+        "already run: call the training function directly in the cell, or run "
+        "nbddp.ranch(N, fn, *args) from the notebook",
+    ),
+    (
+        ("ddp_notebook", "ddp_spawn", "To spawn processes with the `DDPStrategy`"),
+        "Lightning's spawning strategies (ddp_spawn, ddp_notebook) start processes of their "
+        'own: use strategy="ddp" in %%ddp, which attaches to the running ranks',
+    ),
+    (
+        ("torch.multiprocessing.spawn", "mp.spawn("),
+        "torch.multiprocessing.spawn starts processes of its own: in %%ddp, run the function "
+        "on every rank directly",
+    ),
 )
 
 
