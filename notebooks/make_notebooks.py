@@ -255,6 +255,215 @@ FSDP_TP = [
 ]
 
 
+def raises(source: str):
+    """A cell that is meant to fail (nbclient goes on; the saved error is part of the lesson)."""
+    return new_code_cell(source, metadata={"tags": ["raises-exception"]})
+
+
+CNN = [
+    new_markdown_cell(
+        "# Training a small CNN with DistributedDataParallel\n\n"
+        "Synthetic images (no downloads), a data loader sharded with "
+        "`DistributedSampler`, a progress bar per rank, a loss plot from rank 0, and the "
+        "trained model pulled back into the notebook."
+    ),
+    new_code_cell("%load_ext nbddp"),
+    new_markdown_cell(
+        "The data and the model are defined in the notebook; automatic capture ships them "
+        "to the ranks when a cell uses them."
+    ),
+    new_code_cell(
+        "import torch\n"
+        "from torch import nn\n\n"
+        "def make_images(n, seed):\n"
+        '    """Class k: a bright quadrant k, plus noise."""\n'
+        "    g = torch.Generator().manual_seed(seed)\n"
+        "    y = torch.randint(0, 4, (n,), generator=g)\n"
+        "    x = torch.randn(n, 1, 16, 16, generator=g) * 0.5\n"
+        "    for k in range(4):\n"
+        "        r, c = (k // 2) * 8, (k % 2) * 8\n"
+        "        x[y == k, :, r:r + 8, c:c + 8] += 1.0\n"
+        "    return x, y\n\n"
+        "class SmallCNN(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.features = nn.Sequential(\n"
+        "            nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),\n"
+        "            nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1))\n"
+        "        self.head = nn.Linear(16, 4)\n\n"
+        "    def forward(self, x):\n"
+        "        return self.head(self.features(x).flatten(1))"
+    ),
+    new_code_cell(
+        "%%ddp -n 2\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "from torch.utils.data.distributed import DistributedSampler\n"
+        "data = TensorDataset(*make_images(2048, seed=0))\n"
+        "sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, seed=0)\n"
+        "loader = DataLoader(data, batch_size=64, sampler=sampler)\n"
+        "torch.manual_seed(0)\n"
+        "model = DDP(SmallCNN().to(device))\n"
+        "opt = torch.optim.Adam(model.parameters(), lr=1e-2)\n"
+        "losses = []\n"
+        "print(f'rank {rank}: {len(sampler)} of {len(data)} images')"
+    ),
+    new_code_cell(
+        "%%ddp\n"
+        "from nbddp import progress\n"
+        "for epoch in range(3):\n"
+        "    sampler.set_epoch(epoch)\n"
+        "    for x, y in progress(loader, desc=f'epoch {epoch}'):\n"
+        "        loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device))\n"
+        "        opt.zero_grad()\n"
+        "        loss.backward()\n"
+        "        opt.step()\n"
+        "        losses.append(loss.item())\n"
+        "    print(f'epoch {epoch}: loss {loss.item():.3f}')"
+    ),
+    new_markdown_cell("The plot comes from rank 0 (`--display` chooses other ranks):"),
+    new_code_cell(
+        "%%ddp\n"
+        "import matplotlib.pyplot as plt\n"
+        "plt.figure(figsize=(5, 3))\n"
+        "plt.plot(losses)\n"
+        "plt.xlabel('step')\n"
+        "plt.ylabel('loss')\n"
+        "plt.title(f'rank {rank}')\n"
+        "plt.show()"
+    ),
+    new_markdown_cell(
+        "Pull the trained model back. A DDP model comes back as the module it wraps:"
+    ),
+    new_code_cell(
+        "model = %ddp pull model\n"
+        "x_test, y_test = make_images(512, seed=1)\n"
+        "with torch.no_grad():\n"
+        "    accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()\n"
+        "print(type(model).__name__, f'accuracy on fresh images: {accuracy:.2%}')"
+    ),
+    new_code_cell("%ddp stop"),
+]
+
+FSDP_TRANSFORMER = [
+    new_markdown_cell(
+        "# FSDP2 on a small transformer, with a DeviceMesh\n\n"
+        "`%ddp start --mesh dp=2` binds a `DeviceMesh` as `mesh` on every rank; "
+        "`fully_shard` shards each layer over it. CPU with gloo here; the same cells use "
+        "NCCL on GPUs."
+    ),
+    new_code_cell("%load_ext nbddp"),
+    new_code_cell("%ddp start -n 2 --mesh dp=2 --seed 0"),
+    new_code_cell(
+        "%%ddp\n"
+        "from torch import nn\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "print(mesh)\n"
+        "vocab, width = 64, 32\n"
+        "model = nn.Sequential(\n"
+        "    nn.Embedding(vocab, width),\n"
+        "    nn.TransformerEncoderLayer(width, 4, 64, dropout=0.0, batch_first=True),\n"
+        "    nn.TransformerEncoderLayer(width, 4, 64, dropout=0.0, batch_first=True),\n"
+        "    nn.Linear(width, vocab),\n"
+        ").to(device)\n"
+        "for layer in model[1:3]:\n"
+        "    fully_shard(layer, mesh=mesh)\n"
+        "fully_shard(model, mesh=mesh)\n"
+        "opt = torch.optim.AdamW(model.parameters(), lr=3e-3)\n"
+        "w = model[1].linear1.weight\n"
+        "print(f'rank {rank} holds {tuple(w.to_local().shape)} of {tuple(w.shape)}')"
+    ),
+    new_markdown_cell("Train it to copy its input (each rank its own batches):"),
+    new_code_cell(
+        "%%ddp\n"
+        "g = torch.Generator().manual_seed(rank)\n"
+        "for step in range(30):\n"
+        "    tokens = torch.randint(0, vocab, (16, 12), generator=g).to(device)\n"
+        "    logits = model(tokens)\n"
+        "    loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens.reshape(-1))\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+        "    if rank == 0 and step % 10 == 9:\n"
+        "        print(f'step {step + 1}: loss {loss.item():.3f}')"
+    ),
+    new_code_cell("%ddp stop"),
+]
+
+TENSOR_PARALLEL = [
+    new_markdown_cell(
+        "# Tensor parallel with `--mesh`\n\n"
+        "`%ddp start --mesh tp=2` binds the mesh; `parallelize_module` splits an MLP "
+        "column-wise then row-wise over it, and its output matches the unsplit model."
+    ),
+    new_code_cell("%load_ext nbddp"),
+    new_code_cell("%ddp start -n 2 --mesh tp=2 --seed 0"),
+    new_code_cell(
+        "%%ddp\n"
+        "from torch import nn\n"
+        "from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,\n"
+        "                                               parallelize_module)\n"
+        "mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)).to(device)\n"
+        "x = torch.randn(4, 16, device=device)\n"
+        "expected = mlp(x).detach()\n"
+        "parallelize_module(mlp, mesh['tp'], {'0': ColwiseParallel(), '2': RowwiseParallel()})\n"
+        "print(f'rank {rank}: first layer {tuple(mlp[0].weight.to_local().shape)} of '\n"
+        "      f'{tuple(mlp[0].weight.shape)}, same output: '\n"
+        "      f'{torch.allclose(mlp(x), expected, atol=1e-5)}')"
+    ),
+    new_code_cell(
+        "%%ddp\n"
+        "opt = torch.optim.SGD(mlp.parameters(), lr=0.05)\n"
+        "for step in range(20):\n"
+        "    loss = (mlp(x) - x).pow(2).mean()\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+        "print(f'rank {rank}: loss {loss.item():.4f}')"
+    ),
+    new_code_cell("%ddp stop"),
+]
+
+FAILURES = [
+    new_markdown_cell(
+        "# Failures and recovery\n\n"
+        "What you see when a rank raises, when a rank fails while another waits for it "
+        "in a collective, when a cell is interrupted (here by `--timeout`, as the stop "
+        "button would), and when a rank dies. Cells that fail on purpose are tagged "
+        "`raises-exception`."
+    ),
+    new_code_cell("%load_ext nbddp"),
+    new_code_cell(
+        "%%ddp -n 2\nimport time\nimport torch.distributed as dist\nkept = f'state of rank {rank}'"
+    ),
+    new_markdown_cell("## A rank raises\n\nOne error names every failed rank, with its traceback:"),
+    raises(
+        "%%ddp\nprint('before the error')\nif rank == 1:\n    raise ValueError('rank 1 is unhappy')"
+    ),
+    new_markdown_cell(
+        "## A rank fails while another waits for it in a collective\n\n"
+        "Rank 0 would wait in `all_reduce` forever. Within a second the group is aborted, "
+        "rank 0 is freed, and the group is re-formed; every rank keeps its namespace:"
+    ),
+    raises(
+        "%%ddp\nt = torch.ones(1)\nif rank == 1:\n    raise RuntimeError('failed before the "
+        "all_reduce')\ndist.all_reduce(t)"
+    ),
+    new_code_cell("%%ddp\nprint(kept)"),
+    new_markdown_cell("## An interrupt\n\nThe ranks come back and keep their state:"),
+    raises("%%ddp --timeout 1\ntime.sleep(60)"),
+    new_code_cell("%%ddp\nprint(kept)"),
+    new_markdown_cell("## A rank dies\n\nWhat it printed first still arrives:"),
+    raises(
+        "%%ddp\nimport os\nprint('last words', flush=True)\n"
+        "if rank == 1:\n    os._exit(3)\ntime.sleep(30)"
+    ),
+    new_markdown_cell("The next cell starts a new pool and says the state was lost:"),
+    new_code_cell("%%ddp\nprint('kept' in globals())"),
+    new_code_cell("%ddp stop"),
+]
+
+
 def write(name: str, cells: list) -> None:
     nb = new_notebook(cells=cells)
     nb.metadata["kernelspec"] = {
@@ -267,6 +476,10 @@ def write(name: str, cells: list) -> None:
 
 if __name__ == "__main__":
     write("01-quickstart.ipynb", QUICKSTART)
+    write("02-ddp-cnn.ipynb", CNN)
+    write("03-fsdp2-transformer.ipynb", FSDP_TRANSFORMER)
+    write("04-tensor-parallel.ipynb", TENSOR_PARALLEL)
+    write("05-failures.ipynb", FAILURES)
     write("10-accelerate.ipynb", ACCELERATE)
     write("11-lightning.ipynb", LIGHTNING)
     write("12-transformers.ipynb", TRANSFORMERS)

@@ -1,0 +1,30 @@
+"""mkdocs hook: the magics reference is generated from the magics' own argument parsers."""
+
+from __future__ import annotations
+
+MARKER = "<!-- nbddp: magics help -->"
+
+
+def magics_help() -> str:
+    from nbddp import magics
+
+    parts = []
+    for title, parser in [
+        ("%%ddp", magics.ddp_cell),
+        ("%ddp start", magics.ddp_start),
+        ("%ddp attach", magics.ddp_attach),
+        ("%ddp push", magics.ddp_push),
+        ("%ddp pull", magics.ddp_pull),
+    ]:
+        text = parser.parser.format_help().replace("usage: ", "usage: %", 1)
+        parts.append(f"### `{title}`\n\n```text\n{text.rstrip()}\n```\n")
+    commands = ", ".join(f"`{c}`" for c in magics.SUBCOMMANDS)
+    parts.append(f"`%ddp` commands: {commands} (`status`, `restart`, `stop` and "
+                 "`interrupt` take no options).\n")
+    return "\n".join(parts)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    if MARKER in markdown:
+        return markdown.replace(MARKER, magics_help())
+    return markdown
