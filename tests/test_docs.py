@@ -15,16 +15,24 @@ from nbddp import magics
 
 ROOT = Path(__file__).parent.parent
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None,
-                                reason="needs mkdocs-material (pip install -e '.[docs]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("mkdocs") is None,
+    reason="needs mkdocs-material (pip install -e '.[docs]')",
+)
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     out = tmp_path_factory.mktemp("site")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
-                           cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert build.returncode == 0, build.stderr[-3000:]
     return out
 
@@ -39,8 +47,13 @@ def test_every_page_in_the_nav_is_built(site):
 
 def test_the_magics_reference_lists_every_option_of_every_magic(site):
     html = (site / "magics" / "index.html").read_text()
-    for parser in (magics.ddp_cell, magics.ddp_start, magics.ddp_attach, magics.ddp_push,
-                   magics.ddp_pull):
+    for parser in (
+        magics.ddp_cell,
+        magics.ddp_start,
+        magics.ddp_attach,
+        magics.ddp_push,
+        magics.ddp_pull,
+    ):
         for action in parser.parser._actions:
             for option in action.option_strings:
                 assert option in html, option
