@@ -20,3 +20,16 @@ def pool(shared_pool):
         shared_pool.restart()
     shared_pool.notes.clear()
     yield shared_pool
+
+
+@pytest.fixture
+def run(shell, capsys):
+    """Run a cell in the module's ``shell``; return (result, everything it printed)."""
+
+    def _run(cell: str):
+        capsys.readouterr()
+        result = shell.run_cell(cell)
+        captured = capsys.readouterr()
+        return result, captured.out + captured.err
+
+    return _run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import psutil
@@ -38,3 +39,10 @@ def wait_gone(pids, timeout=10.0, zombies=True):
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -12,15 +12,9 @@ import time
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
-from helpers import collect, wait_gone
+from helpers import collect, free_port, wait_gone
 from nbddp import Pool, launch
 from nbddp.pool import raise_for_end
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

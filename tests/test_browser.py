@@ -10,7 +10,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
+
+from helpers import free_port
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).parent.parent / "artifacts"
@@ -42,12 +43,6 @@ CELLS = [
     "if rank == 1:\n"
     "    raise ValueError('rank one is unhappy')",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

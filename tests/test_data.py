@@ -23,17 +23,6 @@ def shell():
     sh.run_cell("%unload_ext nbddp")
 
 
-@pytest.fixture
-def run(shell, capsys):
-    def _run(cell: str):
-        capsys.readouterr()
-        result = shell.run_cell(cell)
-        captured = capsys.readouterr()
-        return result, captured.out + captured.err
-
-    return _run
-
-
 def out(shell, run, expr: str):
     """Each rank's value of ``expr``."""
     result, text = run(f"%%ddp --quiet --out _v\n{expr}")

@@ -18,19 +18,6 @@ def shell():
     sh.run_cell("%unload_ext nbddp")
 
 
-@pytest.fixture
-def run(shell, capsys):
-    """Run a cell; return (result, everything it printed)."""
-
-    def _run(cell: str):
-        capsys.readouterr()
-        result = shell.run_cell(cell)
-        captured = capsys.readouterr()
-        return result, captured.out + captured.err
-
-    return _run
-
-
 def magics(shell):
     from nbddp.magics import _MAGICS
 

@@ -15,6 +15,7 @@ import time
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
+from helpers import free_port
 from nbddp import launch
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo")
@@ -22,12 +23,6 @@ pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or any(shutil.which(d) is None for d in DAEMONS),
     reason="needs root and Debian's slurm-wlm (slurmctld, slurmd, munge)",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def slurm_conf(d: str) -> str:
