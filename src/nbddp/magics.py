@@ -21,7 +21,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from . import capture, launch
 from . import protocol as P
 from .dashboard import Dashboard, TextSink
-from .errors import CaptureError, CellInterrupted, PoolStartError
+from .errors import CaptureError, CellInterrupted, PoolClosedError, PoolStartError
 from .launch import START_METHODS
 from .pool import Pool, default_pool, raise_for_end, set_default_pool
 
@@ -399,19 +399,23 @@ class DDPMagics(Magics):
         auto = None
         if self.auto and not args.no_auto:
             auto, imports = self._capture(pool, cell, ranks, explicit, needs, imports)
-        sink = self._sink(pool, ranks, text=args.text, quiet=args.quiet)
-        events = pool.run(
-            cell,
-            ranks=ranks,
-            needs=needs,
-            auto=auto,
-            imports=imports,
-            want_values=args.out is not None,
-            timeout=args.timeout,
-            display_ranks=display_ranks,
-            tick=0.5 if isinstance(sink, Dashboard) else None,
+        try:
+            events = pool.run(
+                cell,
+                ranks=ranks,
+                needs=needs,
+                auto=auto,
+                imports=imports,
+                want_values=args.out is not None,
+                timeout=args.timeout,
+                display_ranks=display_ranks,
+                tick=0.5,
+            )
+        except PoolClosedError as exc:  # an attached pool that lost a rank
+            raise UsageError(str(exc)) from None
+        self._finish(
+            events, self._sink(pool, ranks, text=args.text, quiet=args.quiet), out=args.out
         )
-        self._finish(events, sink, out=args.out)
 
     # -- automatic capture
 

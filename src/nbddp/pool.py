@@ -1,15 +1,21 @@
 """The pool: a persistent set of ranks, supervised from the notebook process.
 
-``Pool`` knows no IPython. It starts ranks through a launcher, accepts their
-connections on a private listener (a Unix socket in a 0700 directory, with an
-HMAC key), and waits on every connection, output stream and process sentinel
-at once (:meth:`Pool._pump`), so output, results and deaths are all seen as
-they happen. :meth:`Pool.run` turns that into a stream of events for a sink
-and ends with a :class:`~nbddp.protocol.CellEnd`.
+``Pool`` knows no IPython. A local pool starts its ranks through a launcher;
+an attached pool waits for ranks that torchrun started elsewhere. Either way
+the ranks connect to the pool's listener (a Unix socket in a 0700 directory,
+or TCP for an attached pool) and prove they hold its key; a thread accepts
+and authenticates them, so no peer can stall the pool.
 
-One rank dying breaks the process group, so the group is dealt with as a
-whole: the others are stopped, and the next cell starts a new pool and says
-that state was lost.
+:meth:`Pool._pump` waits on every connection, output stream and process
+sentinel at once, so output, results and deaths are all seen as they happen.
+:meth:`Pool.run` turns that into a stream of events for a sink and ends with
+a :class:`~nbddp.protocol.CellEnd`.
+
+Recovery, least costly first: a rank that fails while others may wait for it
+in a collective has its group aborted, then every rank re-forms the group and
+keeps its namespace; a rank that does not come back from an interrupt, or
+dies, breaks the group for good, so the others are stopped and the next cell
+starts a new pool and says that state was lost.
 """
 
 from __future__ import annotations
@@ -899,6 +905,7 @@ class Pool:
             f"the process group was aborted and re-formed in {time.monotonic() - t0:.2f} s. "
             "Every rank kept its namespace; objects bound to the old group (DDP models, "
             "device meshes, subgroups) must be rebuilt"
+            + (" (nbddp rebuilt `mesh` and `group`)" if self.mesh or self.groups else "")
         )
 
     def _rank_died(self, st: _CellState, r: _Rank):
