@@ -240,6 +240,12 @@ def _serve_forks(fd: int) -> None:
 
     import nbddp.worker  # noqa: F401
 
+    try:  # every rank patches IPython's display (nbddp.rich): import it once, here
+        import IPython.core.display_functions
+        import IPython.display  # noqa: F401
+    except ImportError:
+        pass
+
     conn = Connection(fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
