@@ -64,3 +64,33 @@ def test_a_failed_dump_leaves_no_files(directory):
     with pytest.raises(TypeError):
         payload.dumps([torch.randn(1 << 19), threading.Lock()], directory)
     assert not os.listdir(directory)
+
+
+def test_shared_memory_folders_of_dead_processes_are_swept(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    stale = os.path.join(base or "/tmp", f"nbddp-{dead}-leftover")
+    os.makedirs(stale)
+    mine = payload.shm_dir()
+    try:
+        assert not os.path.exists(stale)
+        assert os.path.basename(mine).startswith(f"nbddp-{os.getpid()}-")
+    finally:
+        os.rmdir(mine)
+
+
+def test_a_pool_leaves_no_shared_memory_behind():
+    from nbddp import Pool
+
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    with Pool(2) as pool:
+        assert pool.execute("torch.ones(2**20).sum().item()") == [2.0**20] * 2
+        assert pool.execute("torch.ones(2**20)")[1].shape == (2**20,)  # a big value, back
+        os.kill(pool.pids[1], 9)  # a killed rank cleans up nothing itself
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not {n for n in after - before if n.startswith("nbddp-")}

@@ -33,9 +33,30 @@ _counter = itertools.count()
 
 
 def shm_dir() -> str:
-    """A fresh private (0700) directory on tmpfs, or in the temp dir without /dev/shm."""
+    """A fresh private (0700) directory on tmpfs (or in the temp dir without /dev/shm).
+
+    Its name carries this process's pid, so the directories of processes that
+    died without cleaning up are removed here, by the next one.
+    """
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix="nbddp-", dir=base)
+    _sweep(base or tempfile.gettempdir())
+    return tempfile.mkdtemp(prefix=f"nbddp-{os.getpid()}-", dir=base)
+
+
+def _sweep(base: str) -> None:
+    """Remove ``nbddp-PID-*`` directories whose process no longer exists."""
+    import shutil
+
+    for name in os.listdir(base):
+        parts = name.split("-")
+        if len(parts) < 3 or parts[0] != "nbddp" or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        except PermissionError:
+            pass  # someone else's, and alive
 
 
 class Shipment:

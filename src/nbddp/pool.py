@@ -372,6 +372,7 @@ class Pool:
         if self._listener is not None:
             return self._address
         self._dir = tempfile.mkdtemp(prefix="nbddp-")  # mode 0700
+        self._shm = payload.shm_dir()  # where ranks write big values for the notebook
         if self.attached:
             host, port = self.listen_on
             self._listener = socket.create_server((host, port), backlog=1024)
@@ -400,6 +401,7 @@ class Pool:
             MASTER_ADDR="127.0.0.1",
             NBDDP_SYS_PATH=os.pathsep.join(p for p in sys.path if p),  # what it can import
             NBDDP_TOKEN=self._token.decode(),
+            NBDDP_SHM_DIR=self._shm,
             MPLBACKEND="module://nbddp.mpl_backend",
         )
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # a local pool stays local
@@ -444,6 +446,7 @@ class Pool:
                 self._listener = None
             if self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
+                shutil.rmtree(self._shm, ignore_errors=True)
                 self._dir = None
 
     def _reap(self, ranks: list[_Rank], deadline: float) -> None:

@@ -249,7 +249,7 @@ class Worker:
         for child in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.Error):
                 child.kill()
-        if self.ship_dir is not None:
+        if self.ship_dir is not None and not os.environ.get("NBDDP_SHM_DIR"):
             shutil.rmtree(self.ship_dir, ignore_errors=True)
         os._exit(code)
 
@@ -449,8 +449,9 @@ class Worker:
         return P.Done(msg.cell, "ok", packed, value_repr, files=files)
 
     def _shm_dir(self) -> str:
+        """The pool's shared-memory directory (the notebook removes it), else one of ours."""
         if self.ship_dir is None:
-            self.ship_dir = payload.shm_dir()
+            self.ship_dir = os.environ.get("NBDDP_SHM_DIR") or payload.shm_dir()
         return self.ship_dir
 
     def _end_streams(self, cell: int) -> None:
