@@ -112,11 +112,20 @@ def test_auto_selection_rules():
         "given": 5,
     }
     code = "data, mine, big, lock, _private, np, given, missing, print"
-    chosen, notes = select_auto(
-        code, ns, frozenset({"mine"}), ["given"], limit=2**20, imported={"np"}
+    chosen, sizes, notes = select_auto(
+        code,
+        ns,
+        frozenset({"mine"}),
+        ["given"],
+        limit=2**20,
+        imported={"np"},
+        already_sent=lambda name, obj: name == "lock",  # never even sized, so no note
     )
-    assert list(chosen) == ["data"]
+    assert list(chosen) == ["data"] and sizes == {"data": sizes["data"]} and sizes["data"] > 0
     assert notes == [
         "big not shipped automatically: 4.0 MB is over the 1.0 MB limit (name it with --need big)",
+    ]
+    _, _, notes = select_auto("lock", ns, frozenset(), [], limit=2**20)
+    assert notes == [
         "lock not shipped: cannot pickle it (TypeError: cannot pickle '_thread.lock' object)",
     ]

@@ -233,17 +233,20 @@ def select_auto(
     explicit: list[str],
     limit: int,
     imported: set[str] = frozenset(),
-) -> tuple[dict[str, object], list[str]]:
-    """What automatic capture ships for ``code``, and one note per name it left behind.
+    already_sent=lambda name, obj: False,
+) -> tuple[dict[str, object], dict[str, int], list[str]]:
+    """What automatic capture ships for ``code``, its sizes, and a note per name left behind.
 
     A name goes when the cell reads it, the notebook has it, and some rank
     lacks it; never a private or IPython name, never one named with --need or
-    bound by a replayed import (``imported``), never one bigger than ``limit``
-    bytes (--need ships those) or unpicklable.
+    bound by a replayed import (``imported``), never one ``already_sent`` as it
+    is (checked before it is sized: sizing may pickle it), never one bigger than
+    ``limit`` bytes (--need ships those) or unpicklable.
     """
     import builtins
 
     chosen: dict[str, object] = {}
+    sizes: dict[str, int] = {}
     notes: list[str] = []
     for name in names_read(code):
         if (
@@ -257,6 +260,8 @@ def select_auto(
         ):
             continue
         obj = namespace[name]
+        if already_sent(name, obj):
+            continue
         try:
             size = size_of(obj)
         except Exception as exc:
@@ -268,5 +273,5 @@ def select_auto(
                 f"{human(limit)} limit (name it with --need {name})"
             )
             continue
-        chosen[name] = obj
-    return chosen, notes
+        chosen[name], sizes[name] = obj, size
+    return chosen, sizes, notes

@@ -433,29 +433,25 @@ class DDPMagics(Magics):
     def _capture(self, pool: Pool, cell: str, ranks, explicit, needs, imports: str):
         """Names the cell reads that only the notebook has, and imports to replay; said once."""
         try:
-            objects, notes = capture.select_auto(
+            objects, sizes, notes = capture.select_auto(
                 cell,
                 self.shell.user_ns,
                 pool.names_on(ranks),
                 explicit,
                 self.auto_limit,
                 capture.names_imported(self.import_log),
+                lambda name, obj: self._shipped.unchanged(pool.generation, name, obj),
             )
-            objects = {
-                name: obj
-                for name, obj in objects.items()
-                if not self._shipped.unchanged(pool.generation, name, obj)
-            }
             auto = capture.pack(objects, not pool.attached)
             for name, obj in objects.items():
                 self._shipped.sent(name, obj)
         except CaptureError as exc:
-            objects, notes, auto = {}, [str(exc)], None
+            objects, sizes, notes, auto = {}, {}, [str(exc)], None
         generation, done = self._replayed
         replay = self.import_log[done if generation == pool.generation else 0 :]
         if ranks is None:
             self._replayed = (pool.generation, len(self.import_log))
-        said = [f"{n} ({capture.human(capture.size_of(objects[n]))})" for n in objects]
+        said = [f"{n} ({capture.human(sizes[n])})" for n in objects]
         if replay:
             said.append(f"replayed {len(replay)} import{'s' * (len(replay) > 1)}")
         if said:
