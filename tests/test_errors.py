@@ -1,6 +1,20 @@
 from __future__ import annotations
 
-from nbddp.errors import CellFailed, CellInterrupted, RankDied, RankFailed, describe_exit
+import pytest
+
+from nbddp import protocol as P
+from nbddp.errors import (
+    CellFailed,
+    CellInterrupted,
+    RankDied,
+    RankFailed,
+    describe_exit,
+    root_causes,
+)
+from nbddp.pool import raise_for_end
+from nbddp.stacks import rank_set
+
+GLOO = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"
 
 
 def test_exit_descriptions_name_signals():
@@ -29,16 +43,74 @@ def test_interrupted_cells_say_why():
 
 
 def test_ranks_on_several_hosts_are_named_with_their_host():
-    from nbddp import protocol as P
-    from nbddp.pool import raise_for_end
-
     end = P.CellEnd(
         1, (0, 1), errors={1: P.ErrorInfo("ValueError", "x", "tb")}, exits={0: P.RankExit(0, None)}
     )
-    try:
+    with pytest.raises(CellFailed) as err:
         raise_for_end(end, {0: "node-a", 1: "node-b"})
-    except CellFailed as err:
-        assert str(err).splitlines() == [
-            "rank 1 (node-b): ValueError: x",
-            "rank 0 (node-a) died (connection lost)",
-        ]
+    assert str(err.value).splitlines() == [
+        "rank 1 (node-b): ValueError: x",
+        "rank 0 (node-a) died (connection lost)",
+    ]
+
+
+def test_the_root_cause_is_first_whatever_order_the_reports_arrived_in():
+    """rank 2 is killed; ranks 1 and 3 get gloo errors that reach the notebook first."""
+    end = P.CellEnd(
+        1,
+        (0, 1, 2, 3),
+        errors={
+            1: P.ErrorInfo("RuntimeError", GLOO, "tb", when=10.2, collective="all_reduce"),
+            3: P.ErrorInfo("RuntimeError", GLOO, "tb", when=10.1, collective="all_reduce"),
+        },
+        exits={2: P.RankExit(2, -9, when=10.5), 0: P.RankExit(0, -9, True, 10.6)},
+    )
+    with pytest.raises(CellFailed) as err:
+        raise_for_end(end)
+    assert str(err.value).splitlines() == [
+        "rank 2 died (killed by SIGKILL)",
+        "ranks 1, 3: freed from a collective (all_reduce) after rank 2 died",
+    ]
+    assert "pair.cc" not in "\n".join(err.value._render_traceback_())
+
+
+def test_root_causes_are_ordered_by_when_they_happened_in_their_rank():
+    late = RankFailed(0, "ValueError", "late", "tb", when=5.0)
+    early = RankFailed(3, "KeyError", "early", "tb", when=4.0)
+    freed = RankFailed(1, "RuntimeError", "aborted", "tb", when=4.5)  # its group was aborted
+    roots, rest = root_causes([late, freed, early], freed=(1,))
+    assert roots == [early, late] and rest == [freed]
+
+
+def test_collective_errors_alone_are_all_root_causes():
+    """A process-group timeout or a mismatch: nothing else to blame."""
+    a = RankFailed(0, "RuntimeError", "Timed out", "tb", when=2.0, collective="barrier")
+    b = RankFailed(1, "RuntimeError", "Timed out", "tb", when=1.0, collective="barrier")
+    assert root_causes([a, b]) == ([b, a], [])
+    assert str(CellFailed([a, b])).splitlines() == [b.summary, a.summary]
+
+
+def test_an_interrupted_cell_says_where_each_rank_was_grouped():
+    cell = "<ddp-cell-4>"
+    reduce = (
+        (cell, 5, "<module>", "dist.all_reduce(t)"),
+        ("/x/torch/distributed/c10d_logger.py", 81, "wrapper", ""),
+        ("/x/torch/distributed/distributed_c10d.py", 3000, "all_reduce", "work.wait()"),
+    )
+    sleep = ((cell, 7, "<module>", "time.sleep(100)"),)
+    err = CellInterrupted("interrupt", stacks={0: reduce, 1: reduce, 2: reduce, 3: sleep})
+    assert str(err).splitlines() == [
+        "cell interrupted",
+        "where the ranks were:",
+        "ranks 0-2: all_reduce, cell line 5: dist.all_reduce(t)",
+        "rank 3: cell line 7: time.sleep(100)",
+    ]
+    rendered = err._render_traceback_()
+    assert "    cell, line 5, in <module>" in rendered
+    assert "      work.wait()" in rendered
+
+
+def test_rank_sets_read_as_ranges_from_three_on():
+    assert rank_set([3]) == "rank 3"
+    assert rank_set([0, 1, 3]) == "ranks 0, 1, 3"
+    assert rank_set([0, 1, 2, 3, 4, 5, 7]) == "ranks 0-5, 7"

@@ -1,7 +1,11 @@
-"""The crash matrix: every way a rank can fail, through real workers (gloo).
+"""The fault matrix: every way a rank can fail, at world sizes 2, 3, 4 and 8 (gloo).
 
-Each case must end within its bound, name the rank and the cause, say whether
-state was kept, and leave a pool on which the next cell works.
+The failing rank is N-2 (rank 0 of 2), so it is neither the store's rank 0 nor
+the last one, and at 3 ranks or more it has peers on both sides of the ring.
+Each case asserts that the cell ends (pytest-timeout is the only clock here;
+figures are in benchmarks/bench_failures.py), that the message names the root
+cause first, which ranks kept their state, and that the next cell, a
+collective, works.
 """
 
 from __future__ import annotations
@@ -18,191 +22,287 @@ import pytest
 from helpers import collect, wait_gone
 from nbddp import Pool
 from nbddp import protocol as P
-from nbddp.errors import CellFailed
+from nbddp.errors import CellFailed, CellInterrupted
 from nbddp.pool import raise_for_end
 
-COLLECTIVE = "import torch.distributed as dist\n"
+SIZES = [2, 3, 4, 8]
+HEAD = "import torch.distributed as dist\nt = torch.ones(1)\n"
+READY = "print('ready', flush=True)\n"  # the next line is where the rank blocks
 
 
 @dataclass
 class Case:
     name: str
-    code: str
-    message: str  # regex the raised error's text must match
-    state_kept: bool
-    interrupt_after: float | None = None
+    code: str  # BAD is the failing rank
+    first: str  # regex: the error's first line (the root cause)
+    kept: bool  # every rank's state survives
+    interrupt: str = ""  # "all" / "bad": interrupted once those ranks printed "ready"
+    timeout: float | None = None
     want_values: bool = False
-    bound: float = 10.0
-    output: tuple[int, str, str] | None = None  # (rank, stream, text) that must have arrived
+    freed: bool | None = False  # the others are named as freed from a collective, in one line
+    # (None: a death; peers whose gloo error arrived before the pool stopped them are folded)
+    where: tuple[str, ...] = ()  # regexes the "where the ranks were" lines must match
+    output: tuple[str, str] | None = None  # (stream, text) the failing rank printed
 
 
 CASES = [
-    Case("raise", "if rank == 1:\n    raise ValueError('boom')", r"rank 1: ValueError: boom", True),
+    Case(
+        "raise before a collective",
+        HEAD + "if rank == BAD:\n    raise ValueError('before')\ndist.all_reduce(t)",
+        r"rank BAD: ValueError: before",
+        True,
+        freed=True,
+    ),
+    Case(
+        "raise between collectives",
+        HEAD + "dist.all_reduce(t)\nif rank == BAD:\n    raise ValueError('between')\n"
+        "dist.all_reduce(t)",
+        r"rank BAD: ValueError: between",
+        True,
+        freed=True,
+    ),
+    Case(
+        "raise inside a collective loop",
+        HEAD + "for step in range(1000):\n    if rank == BAD and step == 50:\n"
+        "        raise ValueError(f'step {step}')\n    dist.all_reduce(t)",
+        r"rank BAD: ValueError: step 50",
+        True,
+        freed=True,
+    ),
+    Case(
+        "raise after the collectives",
+        HEAD + "dist.all_reduce(t)\nif rank == BAD:\n    raise ValueError('after')",
+        r"rank BAD: ValueError: after",
+        True,
+    ),
     Case(
         "sys.exit",
-        "import sys\nif rank == 1:\n    sys.exit(3)\nimport time\ntime.sleep(30)",
-        r"rank 1 died \(exit code 3\)",
-        False,
+        HEAD + "import sys\nif rank == BAD:\n    sys.exit(3)\ndist.all_reduce(t)",
+        r"rank BAD: SystemExit: 3",
+        True,
+        freed=True,
+    ),
+    Case("exit()", "if rank == BAD:\n    exit(4)", r"rank BAD: SystemExit: 4", True),
+    Case(
+        "raise SystemExit", "if rank == BAD:\n    raise SystemExit", r"rank BAD: SystemExit$", True
     ),
     Case(
         "os._exit",
-        "import os\nprint('bye', flush=True)\nif rank == 1:\n    os._exit(7)\n"
-        "import time\ntime.sleep(30)",
-        r"rank 1 died \(exit code 7\)",
+        HEAD + "import os\nif rank == BAD:\n    print('bye', flush=True)\n    os._exit(7)\n"
+        "dist.all_reduce(t)",
+        r"rank BAD died \(exit code 7\)",
         False,
-        output=(1, "stdout", "bye\n"),
+        freed=None,
+        output=("stdout", "bye\n"),
     ),
     Case(
-        "SIGKILL",
-        "import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "import time\ntime.sleep(30)",
-        r"rank 1 died \(killed by SIGKILL\)",
+        "SIGKILL before a collective",
+        HEAD + "import os, signal\nif rank == BAD:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "dist.all_reduce(t)",
+        r"rank BAD died \(killed by SIGKILL\)",
         False,
+        freed=None,
     ),
     Case(
         "SIGSEGV",
-        "import ctypes\nif rank == 1:\n    ctypes.string_at(0)\nimport time\ntime.sleep(30)",
-        r"rank 1 died \(killed by SIGSEGV\)",
+        HEAD + "import ctypes\nif rank == BAD:\n    ctypes.string_at(0)\ndist.all_reduce(t)",
+        r"rank BAD died \(killed by SIGSEGV\)",
         False,
-        output=(1, "stderr", "Fatal Python error: Segmentation fault"),
+        freed=None,
+        output=("stderr", "Fatal Python error: Segmentation fault"),
     ),
     Case(
-        "unpicklable result",
-        "import threading\nthreading.Lock() if rank == 1 else rank",
-        r"rank 1: PicklingError: the cell's value \(lock\) cannot be pickled",
+        "unpicklable value",
+        "import threading\nthreading.Lock() if rank == BAD else rank",
+        r"rank BAD: PicklingError: the cell's value \(lock\) cannot be pickled: .*",
         True,
         want_values=True,
     ),
     Case(
-        "unprintable exception",
-        "class Odd(Exception):\n    def __str__(self):\n        raise RuntimeError('no')\n"
-        "if rank == 0:\n    raise Odd()",
-        r"rank 0: Odd: <str\(\) of the exception failed: RuntimeError: no>",
-        True,
-    ),
-    Case(
-        "failure before a collective",
-        COLLECTIVE + "t = torch.ones(1)\nif rank == 1:\n    raise ValueError('before')\n"
-        "dist.all_reduce(t)",
-        r"^rank 1: ValueError: before\nrank 0: RuntimeError: .*Connection closed by peer",
-        True,
-    ),
-    Case(
-        "failure inside a collective loop",
-        COLLECTIVE + "for step in range(1000):\n    t = torch.ones(1)\n"
-        "    if rank == 0 and step == 50:\n        raise ValueError(f'step {step}')\n"
-        "    dist.all_reduce(t)",
-        r"^rank 0: ValueError: step 50\nrank 1: RuntimeError: .*Connection closed",
-        True,
-    ),
-    Case(
-        "death inside a collective",
-        COLLECTIVE + "import os, time\nif rank == 1:\n    time.sleep(0.3)\n    os._exit(9)\n"
-        "dist.barrier()",
-        r"rank 1 died \(exit code 9\)",
-        False,
-    ),
-    Case(
         "infinite loop + interrupt",
-        "while True:\n    pass",
+        READY + "while True:\n    pass",
         r"cell interrupted",
         True,
-        interrupt_after=0.5,
+        interrupt="all",
+        where=(r"ranks? [\d, -]+: cell line [23]: (while True:|pass)",),
     ),
     Case(
-        "time.sleep + interrupt",
-        "import time\ntime.sleep(60)",
+        "sleep + interrupt while the others wait in a collective",
+        HEAD + "import time\n" + READY + "if rank == BAD:\n    time.sleep(60)\ndist.all_reduce(t)",
         r"cell interrupted",
         True,
-        interrupt_after=0.5,
+        interrupt="all",
+        where=(r"rank BAD: cell line 6: time.sleep\(60\)", r"all_reduce, cell line 7"),
     ),
     Case(
-        "deadlock in a collective + interrupt",
-        COLLECTIVE + "import time\nif rank == 0:\n    dist.barrier()\nelse:\n    time.sleep(60)",
+        "mismatched collectives + interrupt",
+        HEAD + READY + "if rank == BAD:\n    dist.barrier()\nelse:\n    dist.all_reduce(t)",
         r"cell interrupted",
         True,
-        interrupt_after=0.5,
-    ),
-    Case(
-        "peer finished, rank waits in a collective + interrupt",
-        COLLECTIVE + "if rank == 0:\n    dist.barrier()",
-        r"cell interrupted",
-        True,
-        interrupt_after=0.5,
+        interrupt="all",
+        where=(r"rank BAD: barrier, cell line 5", r"all_reduce, cell line 7"),
     ),
     Case(
         "stuck in C ignoring SIGINT + interrupt",
-        "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)",
-        r"cell interrupted\nranks 0, 1 did not stop within 3 s of the interrupt",
+        "import signal, time\nif rank == BAD:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "    " + READY + "    time.sleep(60)",
+        r"cell interrupted",
         False,
-        interrupt_after=0.5,
+        interrupt="bad",
+        where=(r"rank BAD: cell line 5: time.sleep\(60\)",),
+    ),
+    Case(
+        "--timeout",
+        HEAD + "import time\nif rank == BAD:\n    time.sleep(60)\ndist.all_reduce(t)",
+        r"cell timed out",
+        True,
+        timeout=1.0,
+        where=(r"rank BAD: cell line 5: time.sleep\(60\)",),
     ),
 ]
 
 
-@pytest.fixture(scope="module")
-def matrix_pool():
-    with Pool(2) as pool:
+@pytest.fixture(scope="module", params=SIZES, ids=[f"{n}ranks" for n in SIZES])
+def sized_pool(request):
+    with Pool(request.param, grace=1.0) as pool:
         yield pool
 
 
+def interrupt_when_ready(pool: Pool, events, ranks: int, settle: float = 0.3):
+    """Pass events on; interrupt once ``ranks`` ranks printed "ready" and ``settle`` s passed
+    (they are then blocked on the next line). Ticks make the clock advance."""
+    ready, at = 0, None
+    for event in events:
+        if isinstance(event, P.Output) and event.text.startswith("ready"):
+            ready += 1
+            if ready == ranks:
+                at = time.monotonic() + settle
+        if at is not None and time.monotonic() >= at:
+            pool.interrupt()
+            at = None
+        yield event
+
+
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_crash_matrix(matrix_pool, case):
-    pool = matrix_pool
+def test_fault_matrix(sized_pool, case):
+    pool, n = sized_pool, sized_pool.world_size
+    bad = n - 2 if n > 2 else 0
+    if pool.needs_restart or not pool.started:
+        pool.restart()
     pool.execute("import torch.distributed as dist\nkept = rank + 100")
-    if case.interrupt_after:
-        threading.Timer(case.interrupt_after, pool.interrupt).start()
-    t0 = time.monotonic()
-    text, _, end = collect(pool.run(case.code, want_values=case.want_values))
-    assert time.monotonic() - t0 < case.bound
+    pids = list(pool.pids)
+    code = case.code.replace("BAD", str(bad))
+    events = pool.run(code, want_values=case.want_values, timeout=case.timeout, tick=0.05)
+    if case.interrupt:
+        events = interrupt_when_ready(pool, events, n if case.interrupt == "all" else 1)
+    text, _, end = collect(events)
+
     with pytest.raises(CellFailed) as failed:
         raise_for_end(end)
-    assert re.search(case.message, str(failed.value), re.S), str(failed.value)
-    if case.output:
-        rank, stream, expected = case.output
-        assert expected in text.get((rank, stream), "")
-    # the next cell works, with state kept or a new pool that says it was lost
-    _, _, nxt = collect(pool.run("(kept if 'kept' in globals() else None, rank)", want_values=True))
-    if case.state_kept:
-        assert nxt.values == {0: (100, 0), 1: (101, 1)}, nxt
-        assert not any("state" in n and "lost" in n for n in end.notes + nxt.notes)
+    message = str(failed.value)
+    first = message.splitlines()[0]
+    assert re.fullmatch(case.first.replace("BAD", str(bad)), first), message
+    others = [r for r in range(n) if r != bad]
+    freed_line = re.search(
+        r"^ranks? ([\d, -]+): freed from a collective \((\w+)\) after (.*)$", message, re.M
+    )
+    if case.freed:
+        assert freed_line, message
+        assert freed_line.group(3) == f"rank {bad} failed", message
+        assert sorted(f.rank for f in failed.value.consequences) == others
+    elif case.freed is None and freed_line:
+        assert freed_line.group(3) == f"rank {bad} died", message
     else:
-        assert nxt.values == {0: (None, 0), 1: (None, 1)}
-        assert any("state" in n and "lost" in n for n in end.notes + nxt.notes)
-    check = COLLECTIVE + "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
-    assert pool.execute(check) == [2.0, 2.0]
+        assert freed_line is None, message
+    if case.where:
+        assert isinstance(failed.value, CellInterrupted)
+        for pattern in case.where:
+            assert re.search(pattern.replace("BAD", str(bad)), message), message
+    if case.output:
+        stream, expected = case.output
+        assert expected in text.get((bad, stream), ""), text
+
+    # which ranks kept their state, and the next cell (a collective) works
+    nxt = pool.execute("(kept if 'kept' in globals() else None, rank)")
+    if case.kept:
+        assert nxt == [(100 + r, r) for r in range(n)]
+        assert pool.pids == pids  # the same processes
+        assert not any("lost" in note for note in end.notes), end.notes
+    else:
+        assert nxt == [(None, r) for r in range(n)]
+        assert any("state is lost" in note for note in end.notes), end.notes
+    check = "import torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
+    assert pool.execute(check) == [float(n)] * n
 
 
-def test_a_collective_failure_says_the_group_was_re_formed(matrix_pool):
-    code = COLLECTIVE + "if rank == 1:\n    raise ValueError('x')\ndist.barrier()"
-    _, _, end = collect(matrix_pool.run(code))
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n", SIZES)
+def test_mismatched_collectives_fail_at_once_with_debug(n):
+    """``%ddp start --debug``: torch's own collective checks, instead of a hang."""
+    bad = n - 2 if n > 2 else 0
+    with Pool(n, debug=True) as pool:
+        pool.execute("import torch.distributed as dist\nkept = rank")
+        code = HEAD + f"if rank == {bad}:\n    dist.barrier()\nelse:\n    dist.all_reduce(t)"
+        _, _, end = collect(pool.run(code))
+        assert not end.interrupted
+        with pytest.raises(CellFailed) as failed:
+            raise_for_end(end)
+        assert "Detected mismatch between collectives on ranks" in str(failed.value)
+        assert pool.execute("kept") == list(range(n))
+
+
+def test_a_collective_failure_says_the_group_was_re_formed(pool):
+    code = "import torch.distributed as dist\nif rank == 1:\n    raise ValueError('x')\n"
+    code += "dist.barrier()"
+    _, _, end = collect(pool.run(code))
     (note,) = end.notes
-    assert "rank 1 had stopped while rank 0 still ran" in note
+    assert "rank 1 had stopped while rank 0 still ran (waiting in barrier)" in note
     assert "re-formed" in note and "kept its namespace" in note and "DDP models" in note
 
 
-def test_a_worker_whose_connection_drops_exits(matrix_pool):
-    matrix_pool.execute("1")
-    victim = matrix_pool._ranks[1]
+def test_the_waiting_place_of_a_long_collective_is_sampled_for_the_dashboard(pool):
+    """A rank blocked in a collective is reported as waiting in it (RankWhere events)."""
+    code = "import torch.distributed as dist, time\nif rank == 1:\n    time.sleep(2.5)\n"
+    code += "dist.barrier()"
+    _, seen, end = collect(pool.run(code))
+    assert not end.errors
+    where = [e for e in seen if isinstance(e, P.RankWhere)]
+    assert any(e.rank == 0 and e.waiting == "barrier" for e in where), where
+    assert any(e.rank == 1 and e.waiting is None and "time.sleep" in e.where for e in where)
+
+
+def test_stacks_between_cells_say_every_rank_is_idle(pool):
+    assert pool.stacks() == {0: (), 1: ()}
+
+
+def test_a_worker_whose_connection_drops_exits(pool):
+    pool.execute("1")
+    victim = pool._ranks[1]
     pid = victim.pid
     victim.conn.close()
     assert wait_gone([pid], zombies=False) == []
-    matrix_pool.restart()
+    pool.restart()
 
 
-def test_the_interrupt_reaches_only_ranks_running_the_cell(matrix_pool):
-    matrix_pool.execute("import time")
-    threading.Timer(0.5, matrix_pool.interrupt).start()
-    _, seen, end = collect(matrix_pool.run("time.sleep(60)", ranks=[1]))
+def test_the_interrupt_reaches_only_ranks_running_the_cell(pool):
+    pool.execute("import time")
+    threading.Timer(0.5, pool.interrupt).start()
+    _, seen, end = collect(pool.run("time.sleep(60)", ranks=[1]))
     assert end.interrupted == "interrupt" and end.ranks == (1,)
     assert P.RankState(1, "interrupted") in seen
-    assert matrix_pool.execute("rank") == [0, 1]
+    assert pool.execute("rank") == [0, 1]
+
+
+def test_an_interrupt_with_no_cell_running_is_ignored(pool):
+    pool.interrupt()
+    assert pool.execute("rank") == [0, 1]
 
 
 def test_soak_many_cells_leak_no_fds_threads_or_processes():
-    """500 cells, some failing on a rank, a few leaving a peer in a collective."""
+    """500 cells, some failing on a rank, a few leaving peers in a collective (4 ranks)."""
     me = psutil.Process()
-    with Pool(2) as pool:
+    with Pool(4) as pool:
         pool.execute("import torch.distributed as dist")
 
         def snapshot():
@@ -216,7 +316,7 @@ def test_soak_many_cells_leak_no_fds_threads_or_processes():
         def cells(n):
             for i in range(n):
                 if i % 100 == 50:
-                    code = COLLECTIVE + "if rank == 1:\n    raise ValueError()\ndist.barrier()"
+                    code = "if rank == 2:\n    raise ValueError()\ndist.barrier()"
                 elif i % 10 == 3:
                     code = "1 / (rank - 1)"
                 else:
@@ -239,13 +339,11 @@ def test_soak_many_cells_leak_no_fds_threads_or_processes():
 def test_the_process_group_timeout_ends_a_collective_nobody_joins():
     with Pool(2, pg_timeout=2) as pool:
         pool.execute("import torch.distributed as dist\nkept = rank")
-        t0 = time.monotonic()
         _, _, end = collect(pool.run("if rank == 0:\n    dist.barrier()"))
-        assert 2 <= time.monotonic() - t0 < 10
         assert list(end.errors) == [0] and "Timed out" in end.errors[0].message
         assert pool.execute("kept") == [0, 1]
 
 
-def test_a_sigkill_death_hints_at_the_oom_killer(matrix_pool):
-    _, _, end = collect(matrix_pool.run("import os\nif rank == 0:\n    os.kill(os.getpid(), 9)"))
+def test_a_sigkill_death_hints_at_the_oom_killer(pool):
+    _, _, end = collect(pool.run("import os\nif rank == 0:\n    os.kill(os.getpid(), 9)"))
     assert any("out-of-memory killer" in note for note in end.notes)

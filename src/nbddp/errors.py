@@ -7,8 +7,11 @@
      +-- PoolClosedError     the pool was stopped and cannot run cells
      +-- CaptureError        a --need / --imports / push name cannot be shipped
                              (raised before any rank runs)
-     +-- CellFailed          a cell failed on one or more ranks; .failures lists them, first first
-          +-- CellInterrupted    the cell was interrupted (stop button, Ctrl-C, --timeout)
+     +-- CellFailed          a cell failed on one or more ranks; .failures lists the root
+          |                  causes first (by when they happened), .consequences the ranks
+          |                  freed from a collective because of them
+          +-- CellInterrupted    the cell was interrupted (stop button, Ctrl-C, --timeout);
+                                 .stacks says where each rank was
 
     RankFailed and RankDied are the per-rank failures that CellFailed carries.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
+from . import stacks as S
 from .protocol import ErrorInfo
 
 __all__ = [
@@ -79,10 +83,14 @@ class RankFailed:
     message: str
     traceback: str
     host: str = ""  # set when the pool spans several hosts
+    when: float = 0.0  # time.time() in the rank
+    collective: str = ""  # the torch.distributed call it came out of, if any
 
     @classmethod
     def from_info(cls, rank: int, info: ErrorInfo, host: str = "") -> RankFailed:
-        return cls(rank, info.exc_type, info.message, info.traceback, host)
+        return cls(
+            rank, info.exc_type, info.message, info.traceback, host, info.when, info.collective
+        )
 
     @property
     def summary(self) -> str:
@@ -100,6 +108,7 @@ class RankDied:
     rank: int
     returncode: int | None
     host: str = ""
+    when: float = 0.0  # time.time() when the notebook saw it
 
     @property
     def summary(self) -> str:
@@ -109,39 +118,95 @@ class RankDied:
         return [f"--- {rank_label(self.rank, self.host)} ---", self.summary]
 
 
-class CellFailed(NbddpError):
-    """A cell failed on one or more ranks: one error naming every failed rank."""
+def root_causes(
+    failures: list[RankFailed | RankDied], freed: tuple[int, ...] | list[int] = ()
+) -> tuple[list[RankFailed | RankDied], list[RankFailed]]:
+    """Split failures into root causes (first happened first) and their consequences.
 
-    def __init__(self, failures: list[RankFailed | RankDied], notes: list[str] | None = None):
-        self.failures = list(failures)
+    A consequence is a rank's error that came out of a collective, or out of a
+    group nbddp aborted under it (``freed``), while another rank failed for a
+    reason of its own. When every failure is of that kind (a timeout, a
+    mismatched collective), they are all root causes.
+    """
+
+    def consequence(f: RankFailed | RankDied) -> bool:
+        return isinstance(f, RankFailed) and (f.rank in freed or bool(f.collective))
+
+    roots = [f for f in failures if not consequence(f)]
+    if not roots:
+        roots, rest = list(failures), []
+    else:
+        rest = [f for f in failures if consequence(f)]
+    roots.sort(key=lambda f: f.when or float("inf"))  # stable: no time, given order
+    return roots, sorted(rest, key=lambda f: f.rank)
+
+
+class CellFailed(NbddpError):
+    """A cell failed on one or more ranks: one error, the root cause named first.
+
+    ``failures`` are the root causes in the order they happened; ranks freed
+    from a collective because of them are ``consequences``, folded into one line.
+    """
+
+    def __init__(
+        self,
+        failures: list[RankFailed | RankDied],
+        notes: list[str] | None = None,
+        freed: tuple[int, ...] | list[int] = (),
+    ):
+        self.failures, self.consequences = root_causes(list(failures), freed)
         self.notes = list(notes or [])
         super().__init__(self._message())
 
+    def _folded(self) -> list[str]:
+        """``ranks 1, 3: freed from a collective (all_reduce) after rank 2 failed``."""
+        if not self.consequences:
+            return []
+        calls = sorted({f.collective for f in self.consequences if f.collective})
+        cause = self.failures[0]
+        return [
+            f"{S.rank_set([f.rank for f in self.consequences])}: freed from a collective"
+            + (f" ({', '.join(calls)})" if calls else "")
+            + f" after {rank_label(cause.rank, cause.host)} "
+            + ("died" if isinstance(cause, RankDied) else "failed")
+        ]
+
     def _message(self) -> str:
         lines = [f.summary for f in self.failures] or ["the cell failed"]
-        return "\n".join(lines + self.notes)
+        return "\n".join(lines + self._folded() + self.notes)
 
     def _render_traceback_(self) -> list[str]:
-        """What IPython shows instead of a Python traceback: each rank's own."""
+        """What IPython shows instead of a Python traceback: each root cause's own."""
         out: list[str] = []
         for failure in self.failures:
             out += failure.render()
         out += ["", f"{type(self).__name__}: {self.failures[0].summary if self.failures else ''}"]
         out += [f.summary for f in self.failures[1:]]
+        out += self._folded()
         out += self.notes
         return out
 
 
 class CellInterrupted(CellFailed):
-    """The cell was interrupted on the ranks (stop button, Ctrl-C or --timeout)."""
+    """The cell was interrupted on the ranks (stop button, Ctrl-C or --timeout).
 
-    def __init__(self, reason: str, failures=None, notes=None):
+    ``stacks`` maps each rank that was running to where it was (nbddp.stacks frames).
+    """
+
+    def __init__(self, reason: str, failures=None, notes=None, stacks=None):
         self.reason = reason
+        self.stacks = dict(stacks or {})
         super().__init__(failures or [], notes)
+
+    def _where(self, full: bool) -> list[str]:
+        if not self.stacks:
+            return []
+        return ["where the ranks were:", *S.format_groups(self.stacks, full=full)]
 
     def _message(self) -> str:
         head = "cell timed out" if self.reason == "timeout" else "cell interrupted"
-        return "\n".join([head, *self.notes])
+        return "\n".join([head, *self._where(full=False), *self.notes])
 
     def _render_traceback_(self) -> list[str]:
-        return [f"{type(self).__name__}: {self._message()}"]
+        head = "cell timed out" if self.reason == "timeout" else "cell interrupted"
+        return [f"{type(self).__name__}: {head}", *self._where(full=True), *self.notes]

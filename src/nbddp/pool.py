@@ -11,11 +11,13 @@ sentinel at once, so output, results and deaths are all seen as they happen.
 :meth:`Pool.run` turns that into a stream of events for a sink and ends with
 a :class:`~nbddp.protocol.CellEnd`.
 
-Recovery, least costly first: a rank that fails while others may wait for it
-in a collective has its group aborted, then every rank re-forms the group and
-keeps its namespace; a rank that does not come back from an interrupt, or
-dies, breaks the group for good, so the others are stopped and the next cell
-starts a new pool and says that state was lost.
+What to do when a cell goes wrong is decided by a
+:class:`~nbddp.supervisor.CellSupervisor` (a state machine with no I/O); the
+pool carries it out. Least costly first: a rank that fails while others wait
+for it in a collective has the group aborted on every rank, then every rank
+re-forms the group and keeps its namespace; a rank that does not come back
+from an interrupt, or dies, breaks the group for good, so the others are
+stopped and the next cell starts a new pool and says that state was lost.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 
 from . import capture, payload
 from . import protocol as P
+from . import stacks as S
 from .ddp import check_device, parse_groups, parse_mesh
 from .errors import (
     CellFailed,
@@ -59,6 +62,7 @@ from .errors import (
     describe_exit,
 )
 from .launch import START_METHODS, Launcher, make_launcher
+from .supervisor import CellSupervisor
 
 __all__ = ["Pool", "RankStatus"]
 
@@ -193,6 +197,7 @@ class Pool:
         groups: str | None = None,
         mesh: str | None = None,
         log_dir: str | None = None,
+        debug: bool = False,
     ) -> None:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"the world size must be a whole number >= 1, not {n!r}")
@@ -206,6 +211,7 @@ class Pool:
         self.device, self.gpus, self.seed = device, gpus, seed
         self.groups, self.mesh = groups, mesh
         self.log_dir = log_dir
+        self.debug = debug  # torch's collective checks: a mismatch fails at once
         self._logs: dict[tuple[int, str], object] = {}  # (rank, stream) -> open log file
         self.world_size = n
         self.start_method = start_method
@@ -232,8 +238,9 @@ class Pool:
         self._backlog: list[P.Output] = []
         self._cells = itertools.count(1)
         self._lost = False  # a rank died: the next use restarts and says state was lost
-        self._interrupt_at: float | None = None
-        self._interrupt_reason: str | None = None
+        self._active: CellSupervisor | None = None  # the cell running now
+        self._interrupt_request: str | None = None  # set by interrupt(), from any thread
+        self.last_stacks: dict[int, tuple] = {}  # where the ranks were at the last interrupt
         self._closed = False
         self._generation = 0
         # interrupt() from another thread writes here to wake the pump
@@ -420,6 +427,8 @@ class Pool:
                 env[var] = str(value)
         if self.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus))
+        if self.debug:
+            env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         env.update(self.extra_env)
         return env
 
@@ -433,7 +442,6 @@ class Pool:
                 if conn is not None:
                     conn.close()
         self._ranks.clear()
-        self._interrupt_at = self._interrupt_reason = None
         for log in self._logs.values():
             log.close()
         self._logs.clear()
@@ -772,116 +780,119 @@ class Pool:
         backlog, self._backlog = self._backlog, []
         yield from backlog
         targets = sorted(runs)
-        run_state = _CellState(cell, targets)
+        sup = CellSupervisor(
+            cell,
+            targets,
+            time.monotonic(),
+            abort_after=self.abort_after,
+            grace=self.grace,
+            timeout=timeout,
+        )
+        out = _Outcome(cell, targets)
+        self._active = sup
         for rank in targets:
             self._ranks[rank].state = "running"
             self._ranks[rank].send(runs[rank])
             yield P.RankState(rank, "running")
-        self._interrupt_at = self._interrupt_reason = None
-        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            while run_state.unfinished:
-                yield from self._cell_step(run_state, deadline, tick)
+            while not sup.finished:
+                yield from self._cell_step(sup, out, tick)
         finally:
+            self._active = self._interrupt_request = None
             for shipment in shipments:  # every rank has loaded them by now
                 shipment.remove()
-            if run_state.unfinished:  # the consumer gave up on us: leave nothing running
+            if not sup.finished:  # the consumer gave up on us: leave nothing running
                 self._lost = True
                 self._teardown(keep_launcher=True)
-        if run_state.aborted_at is not None and not self._lost:
-            yield from self._reform(run_state)
-        yield run_state.end(self._interrupt_reason, notes + self._take_notes())
+        if sup.aborted_at is not None and not self._lost:
+            yield from self._reform(sup, out)
+        if sup.stacks_at_interrupt:
+            self.last_stacks = dict(sup.stacks_at_interrupt)
+        yield out.end(sup, notes + self._take_notes())
 
     def _take_notes(self) -> list[str]:
         notes, self.notes = self.notes, []
         refused, self.refused = self.refused, []
         return notes + refused
 
-    def _cell_step(self, st: _CellState, deadline: float | None, tick: float | None):
-        now = time.monotonic()
-        if deadline is not None and now >= deadline and self._interrupt_reason is None:
-            self._interrupt("timeout")
-        if self._interrupt_at is not None and now >= self._interrupt_at:
-            yield from self._stop_stuck(st)
+    def _cell_step(self, sup: CellSupervisor, out: _Outcome, tick: float | None):
+        """Wait for what comes next (or the supervisor's next deadline) and handle it."""
+        yield from self._act(sup, out)
+        if sup.finished:
             return
-        abort_at = self._abort_time(st)
-        if abort_at is not None and now >= abort_at:
-            self._abort_groups(st)
-            abort_at = None
+        now = time.monotonic()
         tick_at = None if tick is None else now + tick
-        limits = [t for t in (deadline, self._interrupt_at, abort_at, tick_at) if t is not None]
-        wait_for = max(0.0, min(limits) - now) if limits else None
+        limits = [t for t in (sup.deadline, tick_at) if t is not None]
         try:
-            items = self._pump(wait_for)
+            items = self._pump(max(0.0, min(limits) - now) if limits else None)
         except KeyboardInterrupt:
-            self.interrupt()
+            self._interrupt_request = self._interrupt_request or "interrupt"
             return
         if not items and tick_at is not None and time.monotonic() >= tick_at:
             yield P.Tick()
         for item in items:
-            yield from self._cell_item(st, item)
+            yield from self._cell_item(sup, out, item)
+        yield from self._act(sup, out)
 
-    def _cell_item(self, st: _CellState, item: tuple):
+    def _act(self, sup: CellSupervisor, out: _Outcome):
+        """Carry out what the supervisor says is due (and an interrupt asked for)."""
+        now = time.monotonic()
+        actions = []
+        if self._interrupt_request is not None:
+            reason, self._interrupt_request = self._interrupt_request, None
+            actions += sup.interrupt(reason, now)
+        for action in actions + sup.due(now):
+            if action.kind == "stacks":
+                self._send(action.ranks, P.StackQuery())
+            elif action.kind == "interrupt":
+                self._send(action.ranks, P.Interrupt())
+            elif action.kind == "abort":
+                live = [r.rank for r in self._ranks.values() if r.state in ("idle", "running")]
+                self._send(live, P.AbortGroup(sup.cell))
+            elif action.kind == "stop":
+                yield from self._stop_pool(sup, out, action)
+
+    def _send(self, ranks, msg: object) -> None:
+        for rank in ranks:
+            self._ranks[rank].send(msg)
+
+    def _cell_item(self, sup: CellSupervisor, out: _Outcome, item: tuple):
         kind, rank = item[0], item[1]
         r = self._ranks[rank]
+        msg = item[2] if kind == "msg" else None
         if kind == "text":
             yield P.Output(rank, item[2], item[3])
         elif kind == "mark":
-            if item[3] == st.cell:
-                st.marks[rank].discard(item[2])
-                yield from self._maybe_finish(st, rank)
-        elif kind == "msg" and isinstance(item[2], P.Done) and item[2].cell == st.cell:
-            st.done[rank] = item[2]
+            if item[3] == sup.cell:
+                out.marks[rank].discard(item[2])
+                yield from self._maybe_finish(sup, out, rank)
+        elif isinstance(msg, P.Done) and msg.cell == sup.cell:
+            out.done[rank] = msg
+            sup.done(rank, msg.status, time.monotonic())
             r.state = "idle"
-            if item[2].names is not None:
-                r.names = frozenset(item[2].names)
-            yield from self._maybe_finish(st, rank)
-        elif kind == "msg" and isinstance(item[2], P.Display):
-            yield P.RankDisplay(rank, item[2].data, item[2].metadata)
-        elif kind == "msg" and isinstance(item[2], P.Progress):
-            yield P.RankProgress(rank, item[2].done, item[2].total, item[2].desc)
+            if msg.names is not None:
+                r.names = frozenset(msg.names)
+            yield from self._maybe_finish(sup, out, rank)
+        elif isinstance(msg, P.Stacks):
+            place = sup.stacks(rank, msg.frames, time.monotonic())
+            if place is not None:
+                yield P.RankWhere(rank, S.summary(place.frames), sup.waiting_in(rank), place.since)
+        elif isinstance(msg, P.Display):
+            yield P.RankDisplay(rank, msg.data, msg.metadata)
+        elif isinstance(msg, P.Progress):
+            yield P.RankProgress(rank, msg.done, msg.total, msg.desc)
         elif kind == "gone" and r.state != "dead":
-            yield from self._rank_died(st, r)
+            yield from self._rank_died(sup, out, r)
 
-    def _maybe_finish(self, st: _CellState, rank: int):
-        if rank in st.done and not st.marks[rank] and rank in st.unfinished:
-            st.unfinished.discard(rank)
-            if st.done[rank].status != "ok" and st.failed_at is None:
-                st.failed_at = time.monotonic()
-            if st.done[rank].error is not None and self.log_dir is not None:
-                self._log_error(rank, st.done[rank].error)
-            yield from st.finish(rank)
+    def _maybe_finish(self, sup: CellSupervisor, out: _Outcome, rank: int):
+        if rank in out.done and not out.marks[rank] and sup.ended(rank):
+            if out.done[rank].error is not None and self.log_dir is not None:
+                self._log_error(rank, out.done[rank].error)
+            yield from out.finish(rank)
 
-    # ------------------------------------------------------------ collectives left waiting
+    # ------------------------------------------------------------ failures
 
-    def _abort_time(self, st: _CellState) -> float | None:
-        """When to free ranks that may wait in a collective for a rank that stopped.
-
-        ``abort_after`` seconds after a rank of the cell failed, or halfway
-        through the grace period of an interrupt (a peer may have finished
-        normally while this rank waits for it), whichever comes first.
-        """
-        if st.aborted_at is not None or not st.unfinished:
-            return None
-        times = []
-        if st.failed_at is not None:
-            times.append(st.failed_at + self.abort_after)
-        if self._interrupt_at is not None:
-            times.append(self._interrupt_at - self.grace / 2)
-        return min(times) if times else None
-
-    def _abort_groups(self, st: _CellState) -> None:
-        """Abort the group on every idle rank: gloo peers blocked with them are freed at once.
-
-        Running ranks are told too; on NCCL they abort from their receiver thread.
-        """
-        st.aborted_at = time.monotonic()
-        st.waiting = sorted(st.unfinished)
-        for r in self._ranks.values():
-            if r.state in ("idle", "running"):
-                r.send(P.AbortGroup())
-
-    def _reform(self, st: _CellState):
+    def _reform(self, sup: CellSupervisor, out: _Outcome):
         """Every rank joins a new group; namespaces stay. Fall back to a restart."""
         t0 = time.monotonic()
         self._store_port = None
@@ -900,45 +911,62 @@ class Pool:
             return
         backlog, self._backlog = self._backlog, []
         yield from backlog
-        failed = ", ".join(map(str, st.failed_ranks))
-        waiting = ", ".join(map(str, st.waiting))
+        stopped = [r for r in out.done if r not in sup.aborted_running]
+        waits = sorted({w for r in sup.aborted_running if (w := sup.waiting_in(r))})
+        how = f"waiting in {', '.join(waits)}" if waits else "maybe in a collective"
+        what = (
+            f"{S.rank_set(stopped)} had stopped while {S.rank_set(sup.aborted_running)} "
+            f"still ran ({how})"
+            if stopped
+            else f"every rank still ran after the {sup.interrupted or 'failure'} ({how})"
+        )
         self.notes.append(
-            f"rank{'s' * (len(st.failed_ranks) > 1)} {failed} had stopped while rank"
-            f"{'s' * (len(st.waiting) > 1)} {waiting} still ran (maybe waiting in a collective): "
-            f"the process group was aborted and re-formed in {time.monotonic() - t0:.2f} s. "
+            f"{what}: the process group was aborted and re-formed in "
+            f"{time.monotonic() - t0:.2f} s. "
             "Every rank kept its namespace; objects bound to the old group (DDP models, "
             "device meshes, subgroups) must be rebuilt"
             + (" (nbddp rebuilt `mesh` and `group`)" if self.mesh or self.groups else "")
         )
 
-    def _rank_died(self, st: _CellState, r: _Rank):
-        """One rank died: its group is broken, so every other rank is stopped too."""
-        for s in r.streams.values():
-            for item in self._stream_items(r, s, s.read_available()):
-                if item[0] == "text":
-                    yield P.Output(r.rank, item[2], item[3])
+    def _rank_died(self, sup: CellSupervisor, out: _Outcome, r: _Rank):
+        """One rank died: its group is broken, so the supervisor stops every other rank."""
+        yield from self._drain(r)
         r.state, r.returncode = "dead", self._launcher_code(r)
-        exit_event = P.RankExit(r.rank, r.returncode)
-        st.exits[r.rank] = exit_event
+        out.exits[r.rank] = exit_event = P.RankExit(r.rank, r.returncode, when=time.time())
         yield exit_event
         yield P.RankState(r.rank, "dead")
-        st.unfinished.discard(r.rank)
-        yield from self._stop_others(st, exclude=r.rank)
+        sup.died(r.rank, time.monotonic())
         if r.returncode == -signal.SIGKILL:
             self.notes.append(
                 f"nothing in nbddp sent rank {r.rank} SIGKILL: the usual sender is the "
                 "kernel's out-of-memory killer (see `dmesg`)"
             )
-        self.notes.append(
-            "the process group lost a member, so the pool was stopped; "
-            "the next cell starts a new one (the ranks' state is lost)"
-        )
+
+    def _drain(self, r: _Rank):
+        """What a rank had already written (it ended, or is about to be stopped)."""
+        for s in r.streams.values():
+            for item in self._stream_items(r, s, s.read_available()):
+                if item[0] == "text":
+                    yield P.Output(r.rank, item[2], item[3])
 
     def _launcher_code(self, r: _Rank) -> int | None:
         return None if self._launcher is None else self._launcher.returncode(r.pid, timeout=2.0)
 
-    def _stop_others(self, st: _CellState, exclude: int | None = None):
-        others = [o for o in self._ranks.values() if o.rank != exclude and o.state != "dead"]
+    def _stop_pool(self, sup: CellSupervisor, out: _Outcome, action):
+        """The last resort: stop every live rank; the next cell starts a new pool."""
+        if action.reason == "death":
+            self.notes.append(
+                "the process group lost a member, so the pool was stopped; "
+                "the next cell starts a new one (the ranks' state is lost)"
+            )
+        else:
+            stuck = list(action.ranks)
+            self.notes.append(
+                f"{S.rank_set(stuck)} did not stop within {self.grace:g} s of the "
+                f"{action.reason} and {'were' if len(stuck) > 1 else 'was'} stopped with the "
+                "rest of the pool; the next cell starts a new one (the ranks' state is lost)"
+            )
+        others = [o for o in self._ranks.values() if o.state != "dead"]
         for o in others:
             if self._launcher is not None:
                 self._launcher.kill(o.pid, signal.SIGKILL)
@@ -946,40 +974,21 @@ class Pool:
                 o.send(P.Shutdown())
         self._reap(others, time.monotonic() + 2.0)
         for o in others:
-            for s in o.streams.values():
-                for item in self._stream_items(o, s, s.read_available()):
-                    if item[0] == "text":
-                        yield P.Output(o.rank, item[2], item[3])
-            if o.rank in st.unfinished:
-                st.unfinished.discard(o.rank)
-                st.exits[o.rank] = P.RankExit(o.rank, o.returncode, stopped_by_pool=True)
+            yield from self._drain(o)
+            if o.rank in action.ranks:
+                out.exits[o.rank] = P.RankExit(o.rank, o.returncode, True, time.time())
                 yield P.RankState(o.rank, "dead")
         self._lost = True
 
-    def _stop_stuck(self, st: _CellState):
-        stuck = sorted(st.unfinished)
-        self.notes.append(
-            f"rank{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} did not stop "
-            f"within {self.grace:g} s of the {self._interrupt_reason} and "
-            f"{'were' if len(stuck) > 1 else 'was'} stopped with the rest of the pool; "
-            "the next cell starts a new one (the ranks' state is lost)"
-        )
-        self._interrupt_at = None
-        yield from self._stop_others(st)
-
     def interrupt(self) -> None:
-        """Interrupt the running cell on every rank running it."""
-        self._interrupt("interrupt")
+        """Interrupt the running cell on every rank running it (from any thread).
 
-    def _interrupt(self, reason: str) -> None:
-        running = [r for r in self._ranks.values() if r.state == "running"]
-        for r in running:
-            r.send(P.Interrupt())
-        if self._interrupt_reason is None:
-            self._interrupt_reason = reason
-            self._interrupt_at = time.monotonic() + self.grace
-        with contextlib.suppress(BlockingIOError):
-            os.write(self._wake_w, b"!")
+        Without a running cell, there is nothing to interrupt.
+        """
+        if self._active is not None:
+            self._interrupt_request = self._interrupt_request or "interrupt"
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._wake_w, b"!")
 
     def execute(self, code: str, **kwargs) -> list[object]:
         """Run ``code`` and return the last expression's value by rank; raise on failure.
@@ -995,20 +1004,25 @@ class Pool:
 
     # ------------------------------------------------------------ status
 
-    def status(self, timeout: float = 2.0) -> list[RankStatus]:
-        """One row per rank: pid, host, device, state, uptime, resident memory."""
-        live = [r for r in self._ranks.values() if r.state != "dead" and r.send(P.Query())]
-        replies: dict[int, P.StatusReply] = {}
+    def _ask(self, msg: object, reply: type, timeout: float) -> dict[int, object]:
+        """Send ``msg`` to every live rank between cells; their replies of type ``reply``."""
+        live = [r for r in self._ranks.values() if r.state != "dead" and r.send(msg)]
+        replies: dict[int, object] = {}
         deadline = time.monotonic() + timeout
         while len(replies) < len(live) and time.monotonic() < deadline:
             for item in self._pump(max(0.0, deadline - time.monotonic())):
-                if item[0] == "msg" and isinstance(item[2], P.StatusReply):
+                if item[0] == "msg" and isinstance(item[2], reply):
                     replies[item[1]] = item[2]
                 elif item[0] == "text":
                     self._backlog.append(P.Output(item[1], item[2], item[3]))
                 elif item[0] == "gone":
                     self._ranks[item[1]].state = "dead"
                     self._lost = True
+        return replies
+
+    def status(self, timeout: float = 2.0) -> list[RankStatus]:
+        """One row per rank: pid, host, device, state, uptime, resident memory."""
+        replies = self._ask(P.Query(), P.StatusReply, timeout)
         now = time.monotonic()
         return [
             RankStatus(
@@ -1023,27 +1037,23 @@ class Pool:
             for r in self._ranks.values()
         ]
 
+    def stacks(self, timeout: float = 2.0) -> dict[int, tuple]:
+        """Where each rank's main thread is now (between cells: empty, they are idle)."""
+        replies = self._ask(P.StackQuery(), P.Stacks, timeout)
+        return {rank: reply.frames for rank, reply in sorted(replies.items())}
 
-class _CellState:
-    """What one cell is waiting for, and what came back."""
+
+class _Outcome:
+    """What came back from one cell's ranks: output ends, results, errors, exits."""
 
     def __init__(self, cell: int, targets: list[int]) -> None:
         self.cell = cell
         self.targets = targets
-        self.unfinished = set(targets)
         self.marks = {r: {"stdout", "stderr"} for r in targets}
         self.done: dict[int, P.Done] = {}
-        self.failed_at: float | None = None  # when the first rank ended in error or interrupt
-        self.aborted_at: float | None = None
-        self.waiting: list[int] = []  # ranks still running when the group was aborted
         self.values: dict[int, object] = {}
         self.errors: dict[int, P.ErrorInfo] = {}
         self.exits: dict[int, P.RankExit] = {}
-
-    @property
-    def failed_ranks(self) -> list[int]:
-        """Ranks that had stopped (failed, interrupted or finished) when the group was aborted."""
-        return [r for r in self.done if r not in self.waiting]
 
     def finish(self, rank: int):
         done = self.done[rank]
@@ -1060,31 +1070,36 @@ class _CellState:
             yield P.RankResult(rank, done.value_repr)
         yield P.RankState(rank, "done" if done.status == "ok" else "interrupted")
 
-    def end(self, interrupted: str | None, notes: list[str]) -> P.CellEnd:
+    def end(self, sup: CellSupervisor, notes: list[str]) -> P.CellEnd:
+        for rank, done in self.done.items():  # a rank stopped before its output was all in
+            if done.status == "error" and rank not in self.errors:
+                self.errors[rank] = done.error
         return P.CellEnd(
             self.cell,
             tuple(self.targets),
             self.values,
             self.errors,
             self.exits,
-            interrupted,
+            sup.interrupted,
             tuple(notes),
+            dict(sup.stacks_at_interrupt),
+            tuple(sorted(r for r, d in self.done.items() if d.freed)),
         )
 
 
 def raise_for_end(end: P.CellEnd, hosts: dict[int, str] | None = None) -> None:
-    """Raise the one error that says how the cell failed, if it did.
+    """Raise the one error that says how the cell failed, if it did: the root cause first.
 
     With ``hosts`` (a pool on several hosts), each rank is named with its host.
     """
     host = (hosts or {}).get
     failures: list = [RankFailed.from_info(r, e, host(r, "")) for r, e in end.errors.items()]
     failures += [
-        RankDied(r, x.returncode, host(r, ""))
+        RankDied(r, x.returncode, host(r, ""), x.when)
         for r, x in end.exits.items()
         if not x.stopped_by_pool
     ]
     if end.interrupted:
-        raise CellInterrupted(end.interrupted, failures, list(end.notes))
+        raise CellInterrupted(end.interrupted, failures, list(end.notes), end.stacks)
     if failures:
-        raise CellFailed(failures, list(end.notes))
+        raise CellFailed(failures, list(end.notes), freed=end.freed)

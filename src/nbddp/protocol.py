@@ -22,9 +22,10 @@ Timeline of a pool::
                   <--------------------- Run(cell, code, ...)
     bytes on stdout/stderr ------------->
     end markers, then Done ------------->
-                  <--------------------- Interrupt | Query | Shutdown (any time)
-                  <--------------------- AbortGroup, Reform   (after a failure left peers
-                                                               blocked in a collective)
+                  <--------------------- Interrupt | Query | StackQuery | Shutdown (any time)
+    StatusReply | Stacks --------------->  (from the worker's receiver thread)
+                  <--------------------- AbortGroup(cell), Reform   (after a failure left
+                                                               peers blocked in a collective)
 """
 
 from __future__ import annotations
@@ -52,10 +53,13 @@ __all__ = [
     "RankProgress",
     "RankResult",
     "RankState",
+    "RankWhere",
     "Ready",
     "Reform",
     "Run",
     "Shutdown",
+    "StackQuery",
+    "Stacks",
     "StatusReply",
     "StorePort",
     "StreamHello",
@@ -66,7 +70,7 @@ __all__ = [
     "split_markers",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 # ---------------------------------------------------------------- data
@@ -79,6 +83,8 @@ class ErrorInfo:
     exc_type: str
     message: str
     traceback: str  # formatted, cell frames only, ends with "Type: message"
+    when: float = 0.0  # time.time() in the rank when it was raised: the root cause is first
+    collective: str = ""  # the torch.distributed call it came out of ("all_reduce"), if any
 
 
 # ---------------------------------------------------------------- worker -> notebook
@@ -131,6 +137,7 @@ class Done:
     error: ErrorInfo | None = None
     files: tuple[str, ...] = ()  # shared-memory files ``value`` refers to (the notebook removes)
     names: tuple[str, ...] | None = None  # the rank's global names, when they changed
+    freed: bool = False  # the group was aborted under this rank during the cell
 
 
 @dataclass(frozen=True)
@@ -154,6 +161,14 @@ class Progress:
 class StatusReply:
     rss: int
     device: str
+
+
+@dataclass(frozen=True)
+class Stacks:
+    """The main thread's Python stack, taken by the receiver thread (nbddp.stacks.Frame)."""
+
+    frames: tuple[tuple[str, int, str, str], ...]
+    cell: int | None  # the cell it is running, None when idle
 
 
 # ---------------------------------------------------------------- notebook -> worker
@@ -183,7 +198,19 @@ class Interrupt:
 
 @dataclass(frozen=True)
 class AbortGroup:
-    """Abort this rank's process group, freeing peers blocked in a collective with it."""
+    """Abort this rank's process group, freeing it and its peers from any collective.
+
+    A rank running ``cell`` aborts from its receiver thread at once (NCCL's abort;
+    on gloo, the group's own sockets are shut down) and again when the cell ends;
+    an idle rank aborts in its main thread.
+    """
+
+    cell: int = 0
+
+
+@dataclass(frozen=True)
+class StackQuery:
+    """Reply with :class:`Stacks`: where the main thread is now."""
 
 
 @dataclass(frozen=True)
@@ -215,6 +242,16 @@ class Output:
 class RankState:
     rank: int
     state: str  # "queued" | "running" | "done" | "failed" | "interrupted" | "dead"
+
+
+@dataclass(frozen=True)
+class RankWhere:
+    """Where a running rank is (a stack sample): ``waiting`` names the collective it waits in."""
+
+    rank: int
+    where: str  # nbddp.stacks.summary: "all_reduce, cell line 5: dist.all_reduce(t)"
+    waiting: str | None  # "all_reduce", or None when not in a collective
+    since: float  # time.monotonic() when this place was first seen
 
 
 @dataclass(frozen=True)
@@ -250,6 +287,7 @@ class RankExit:
     rank: int
     returncode: int | None  # negative: killed by that signal; None: unknown (remote)
     stopped_by_pool: bool = False
+    when: float = 0.0  # time.time() when the notebook saw it end
 
 
 @dataclass(frozen=True)
@@ -263,6 +301,8 @@ class CellEnd:
     exits: dict[int, RankExit] = field(default_factory=dict)
     interrupted: str | None = None  # None, "interrupt" or "timeout"
     notes: tuple[str, ...] = ()
+    stacks: dict[int, tuple] = field(default_factory=dict)  # where ranks were when interrupted
+    freed: tuple[int, ...] = ()  # ranks whose group was aborted under them (consequences)
 
 
 # ---------------------------------------------------------------- encoding
@@ -277,12 +317,14 @@ _MESSAGES = (
     Display,
     Progress,
     StatusReply,
+    Stacks,
     JoinGroup,
     Run,
     Interrupt,
     AbortGroup,
     Reform,
     Query,
+    StackQuery,
     Shutdown,
 )
 

@@ -8,7 +8,10 @@ reaches the notebook even if the process dies the next instant.
 
 Threads: the main thread runs cells; a receiver thread reads the control
 connection, turning ``Interrupt`` into SIGINT for the main thread, answering
-``Query``, and ending the process on ``Shutdown`` or when the notebook is gone.
+``Query`` and ``StackQuery`` (the main thread's stack, even while it is blocked
+in C), aborting the process group under a blocked collective on
+``AbortGroup``, and ending the process on ``Shutdown`` or when the notebook is
+gone.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import queue
 import shutil
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -41,11 +45,12 @@ import torch.distributed as dist
 
 from . import payload, rich
 from . import protocol as P
+from . import stacks as S
 from .ddp import DDPContext, default_backend
 
 __all__ = ["Worker", "main", "run_code"]
 
-CELL_PREFIX = "<ddp-"
+CELL_PREFIX = S.CELL_PREFIX
 _libc = ctypes.CDLL(None)
 
 
@@ -78,7 +83,54 @@ def error_info(exc: BaseException) -> P.ErrorInfo:
         text = "".join(traceback.format_exception(type(exc), exc, tb))
     except Exception:
         text = f"{type(exc).__qualname__}: {message}\n"
-    return P.ErrorInfo(type(exc).__qualname__, message, text)
+    where = S.frames_of(None) if tb is None else _traceback_frames(tb)
+    return P.ErrorInfo(
+        type(exc).__qualname__, message, text, time.time(), S.collective(where) or ""
+    )
+
+
+def _traceback_frames(tb: types.TracebackType) -> tuple[S.Frame, ...]:
+    return tuple(
+        (f.filename, f.lineno or 0, f.name, "") for f in traceback.extract_tb(tb, limit=50)
+    )
+
+
+def _open_sockets() -> dict[int, int]:
+    """This process's socket fds, with their inodes."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError, ValueError):
+            st = os.fstat(int(name))
+            if stat.S_ISSOCK(st.st_mode):
+                found[int(name)] = st.st_ino
+    return found
+
+
+def shut_down_sockets(sockets: dict[int, int], keep_port: int | None) -> int:
+    """Shut down the connected sockets among ``sockets`` (fd -> inode) that are still those
+    sockets; a collective blocked on one of them returns at once with an error.
+
+    Connections to or from ``keep_port`` (the store) are left alone. Returns how many.
+    """
+    count = 0
+    for fd, inode in sockets.items():
+        try:
+            if os.fstat(fd).st_ino != inode:
+                continue  # closed since, and the number reused
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        with sock:
+            try:
+                ports = {sock.getsockname()[1], sock.getpeername()[1]}
+            except (OSError, IndexError, TypeError):
+                continue  # a listener, or not an internet socket
+            if keep_port in ports:
+                continue
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+                count += 1
+    return count
 
 
 def adopt(obj: object, namespace: dict) -> object:
@@ -194,6 +246,10 @@ class Worker:
         self.inbox: queue.Queue = queue.Queue()
         self.send_lock = threading.Lock()
         self.running = False
+        self.cell: int | None = None  # the cell the main thread runs
+        self.abort_cell: int | None = None  # the group was aborted during this cell
+        self.group_sockets: dict[int, int] = {}  # the default group's sockets: fd -> inode
+        self.main_ident = threading.get_ident()
         self.ship_dir: str | None = None  # where big values go back to the notebook
         self._reported_names: frozenset[str] = frozenset()
         self.shipped: dict[str, object] = {}  # name -> the object the notebook sent
@@ -226,13 +282,30 @@ class Worker:
                     os.kill(os.getpid(), signal.SIGINT)
             elif isinstance(msg, P.Query):
                 self.send(P.StatusReply(psutil.Process().memory_info().rss, self.device))
+            elif isinstance(msg, P.StackQuery):
+                frames = S.main_thread_frames(self.main_ident) if self.running else ()
+                self.send(P.Stacks(frames, self.cell if self.running else None))
             elif isinstance(msg, P.Shutdown):
                 self._exit(0)
+            elif isinstance(msg, P.AbortGroup) and self.running and msg.cell == self.cell:
+                self.abort_cell = msg.cell  # and again when the cell ends: the cascade
+                self._abort_running()
             elif isinstance(msg, P.AbortGroup) and self.running:
-                if self.backend == "nccl":  # NCCL's abort is meant to be called from another thread
-                    self._abort_group()
+                pass  # for a cell that has ended here already
             else:
                 self.inbox.put(msg)
+
+    def _abort_running(self) -> None:
+        """Free the main thread from a collective, from the receiver thread.
+
+        NCCL's abort is made for this. gloo's ``abort()`` does not wake a thread
+        blocked in a collective, but shutting down the group's own sockets does,
+        at once, for this rank and the peers it talks to.
+        """
+        if self.backend == "nccl":
+            self._abort_group()
+        else:
+            shut_down_sockets(self.group_sockets, _store_port())
 
     def _on_sigint(self, signum: int, frame: object) -> None:
         if self.running:
@@ -279,7 +352,20 @@ class Worker:
         sys.stderr = _LineWriter(2, "<stderr>")
 
     def _join_group(self, fresh: bool = False) -> DDPContext:
-        """Join the default group; ``fresh``: on a new store even under torchrun."""
+        """Join the default group; ``fresh``: on a new store even under torchrun.
+
+        The sockets the group opens are remembered, so that a collective blocked
+        on them can be freed from another thread (:meth:`_abort_running`).
+        """
+        before = _open_sockets()
+        ctx = self._init_group(fresh)
+        self.group_sockets = {
+            fd: ino for fd, ino in _open_sockets().items() if before.get(fd) != ino
+        }
+        return ctx
+
+    def _init_group(self, fresh: bool) -> DDPContext:
+        dist.set_debug_level_from_env()  # torch read it when the fork server imported it
         addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         store = None
         if self.needs_port or fresh:
@@ -364,7 +450,7 @@ class Worker:
         filename = f"{CELL_PREFIX}cell-{msg.cell}>"
         status, value, error = "ok", None, None
         rich.set_displaying(msg.display)
-        self.running = True
+        self.cell, self.running = msg.cell, True
         try:
             if msg.imports:
                 run_code(msg.imports, f"{CELL_PREFIX}imports>", self.namespace)
@@ -375,17 +461,17 @@ class Worker:
             value = run_code(msg.code, filename, self.namespace)
         except KeyboardInterrupt:
             status = "interrupted"
-        except SystemExit as exc:
-            self._end_streams(msg.cell)
-            self._exit(exc.code if isinstance(exc.code, int) else 1)
-        except BaseException as exc:
+        except BaseException as exc:  # SystemExit too: as in IPython, the process stays
             status, error = "error", error_info(exc)
         finally:
             self.running = False
+        if self.abort_cell == msg.cell:  # freed from a collective, or done meanwhile:
+            self._abort_group()  # close this rank's side too, so peers it talks to are freed
         self._show(value if status == "ok" else None)
         self._end_streams(msg.cell)
         done = self._done(msg, status, value, error)
-        self.send(dataclasses.replace(done, names=self._changed_names()))
+        freed = self.abort_cell == msg.cell
+        self.send(dataclasses.replace(done, names=self._changed_names(), freed=freed))
 
     def _changed_names(self) -> tuple[str, ...] | None:
         """The rank's own names (not those still bound to notebook objects), if changed."""
@@ -467,6 +553,7 @@ class Worker:
         os.write(2, marker)
 
     def serve(self) -> int:
+        self.main_ident = threading.get_ident()
         signal.signal(signal.SIGINT, self._on_sigint)
         rich.attach(self.send)
         self._hello()
@@ -484,12 +571,18 @@ class Worker:
             if isinstance(msg, P.Run):
                 self._run(msg)
             elif isinstance(msg, P.AbortGroup):
+                self.abort_cell = msg.cell
                 self._abort_group()
             elif isinstance(msg, P.Reform):
                 self._reform()
 
 
 # ---------------------------------------------------------------- entry point
+
+
+def _store_port() -> int | None:
+    port = os.environ.get("MASTER_PORT", "")
+    return int(port) if port.isdigit() else None
 
 
 def _read_token(path: str | None) -> bytes:

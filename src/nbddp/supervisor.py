@@ -1,0 +1,252 @@
+"""One cell's supervision as a state machine: rank phases, transitions, deadlines.
+
+Pure: no processes, sockets or clocks of its own. The pool tells a
+:class:`CellSupervisor` what happened, with the time it happened, and asks it
+what to do now (:meth:`~CellSupervisor.due`) and how long it may wait for the
+next event (:attr:`~CellSupervisor.deadline`). So every rule below is tested
+with fake ranks and a fake clock (``tests/test_supervisor.py``).
+
+A rank of the cell::
+
+    running --Done--> ending --both end markers--> ok | failed | interrupted
+    running --its process ended-----------------> dead
+    running --the pool stopped it---------------> stopped
+
+The cell::
+
+    a rank ends badly (error, interrupt, death) while others still run, at t
+        -> their stacks are sampled every SAMPLE_FAST s
+        -> the group is aborted on every rank (the whole group: no rule depends on
+           which peer a blocked rank talks to) at t + abort_after, or at once when
+           every running rank is seen waiting in a collective
+    interrupt (stop button, Ctrl-C) or --timeout, at t
+        -> stacks are taken (where each rank was), then SIGINT to the running ranks
+        -> abort at t + grace/2, or at once when a rank has ended and every
+           running rank waits in a collective
+        -> at t + grace the ranks still running are stuck in C: stop the pool
+    a rank dies
+        -> stop the other ranks at once: the group lost a member for good
+    a long cell
+        -> stacks every SAMPLE_EVERY s, so a sink can show "waiting in all_reduce (12 s)"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .stacks import Frame, collective
+
+__all__ = ["Action", "CellSupervisor"]
+
+SAMPLE_EVERY = 2.0  # stacks of a long-running cell, for the dashboard
+SAMPLE_FAST = 0.1  # stacks after a failure, to abort as soon as the others wait
+
+ENDED = ("ok", "failed", "interrupted", "dead", "stopped")
+
+
+@dataclass(frozen=True)
+class Action:
+    """What the pool must do now.
+
+    ``stacks``: ask ``ranks`` where they are. ``interrupt``: SIGINT to ``ranks``.
+    ``abort``: abort the group on every live rank (``ranks`` still ran).
+    ``stop``: stop the pool; ``ranks`` are those it stops unfinished.
+    """
+
+    kind: str
+    ranks: tuple[int, ...]
+    reason: str = ""
+
+
+@dataclass
+class _Where:
+    frames: tuple[Frame, ...]
+    taken: float  # when the sample arrived
+    since: float  # when this place was first seen
+
+
+@dataclass
+class CellSupervisor:
+    cell: int
+    targets: list[int]
+    now: float
+    abort_after: float = 1.0
+    grace: float = 3.0
+    timeout: float | None = None
+    phase: dict[int, str] = field(init=False)
+    first_failure: tuple[float, int] | None = field(init=False, default=None)
+    interrupted: str | None = field(init=False, default=None)  # "interrupt" | "timeout"
+    interrupt_at: float | None = field(init=False, default=None)
+    aborted_at: float | None = field(init=False, default=None)
+    aborted_running: tuple[int, ...] = field(init=False, default=())
+    stopped: str | None = field(init=False, default=None)  # why the pool was stopped
+    where: dict[int, _Where] = field(init=False, default_factory=dict)
+    stacks_at_interrupt: dict[int, tuple[Frame, ...]] = field(init=False, default_factory=dict)
+    status: dict[int, str] = field(init=False, default_factory=dict)  # from each Done
+
+    def __post_init__(self) -> None:
+        self.phase = {r: "running" for r in self.targets}
+        self.started = self.now
+        self._next_sample = self.now + SAMPLE_EVERY
+        self._pending: list[Action] = []
+
+    @property
+    def triggered_at(self) -> float | None:
+        """When the cell went wrong: the first failure or the interrupt."""
+        times = [self.interrupt_at]
+        if self.first_failure is not None:
+            times.append(self.first_failure[0])
+        return min((t for t in times if t is not None), default=None)
+
+    # ------------------------------------------------------------ what is
+
+    @property
+    def running(self) -> list[int]:
+        """Ranks whose cell has not come back yet (no Done)."""
+        return [r for r, p in self.phase.items() if p == "running"]
+
+    @property
+    def unfinished(self) -> set[int]:
+        """Ranks the cell still waits for (no Done, or output still arriving)."""
+        return {r for r, p in self.phase.items() if p not in ENDED}
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+    def waiting_in(self, rank: int) -> str | None:
+        """The collective ``rank`` was last seen waiting in, if any."""
+        w = self.where.get(rank)
+        return collective(w.frames) if w else None
+
+    # ------------------------------------------------------------ what happened
+
+    def done(self, rank: int, status: str, now: float) -> None:
+        """The rank's Done arrived (``ok``, ``error`` or ``interrupted``)."""
+        if self.phase.get(rank) != "running":
+            return
+        self.phase[rank] = "ending"
+        self.status[rank] = status
+        if status != "ok":
+            self._failed(rank, now)
+
+    def ended(self, rank: int) -> bool:
+        """The rank's output is all in (both end markers after Done): it has finished.
+
+        Returns True the first time, so the pool reports it once.
+        """
+        if self.phase.get(rank) != "ending":
+            return False
+        self.phase[rank] = self._final(rank)
+        return True
+
+    def _final(self, rank: int) -> str:
+        return {"ok": "ok", "error": "failed"}.get(self.status[rank], "interrupted")
+
+    def died(self, rank: int, now: float) -> None:
+        """The rank's process ended: the group is broken, every other rank is stopped."""
+        if self.phase.get(rank) in ("dead", "stopped"):
+            return
+        if rank in self.phase:
+            self.phase[rank] = "dead"
+        self._failed(rank, now)
+        if self.stopped is None:
+            self._stop("death", now)
+
+    def stacks(self, rank: int, frames: tuple[Frame, ...], now: float) -> _Where | None:
+        """A stack sample arrived; returns the rank's place when it moved (for a sink)."""
+        if self.phase.get(rank) != "running" or not frames:
+            return None
+        old = self.where.get(rank)
+        key = tuple(f[:3] for f in frames)
+        if old is not None and tuple(f[:3] for f in old.frames) == key:
+            old.taken = now
+            return None
+        self.where[rank] = _Where(frames, now, now)
+        if self.interrupt_at is not None and rank not in self.stacks_at_interrupt:
+            self.stacks_at_interrupt[rank] = frames
+        return self.where[rank]
+
+    def interrupt(self, reason: str, now: float) -> list[Action]:
+        """The stop button, Ctrl-C, or the timeout: where they are, then SIGINT."""
+        if self.interrupted is not None or self.finished:
+            return []
+        self.interrupted, self.interrupt_at = reason, now
+        running = tuple(self.running)
+        return [Action("stacks", running), Action("interrupt", running, reason)]
+
+    # ------------------------------------------------------------ what to do
+
+    def _failed(self, rank: int, now: float) -> None:
+        if self.first_failure is None:
+            self.first_failure = (now, rank)
+            self._next_sample = now  # see at once whether the others wait for it
+
+    def _stop(self, reason: str, now: float) -> None:
+        self.stopped = reason
+        stuck = tuple(sorted(self.running))
+        for r in self.unfinished:  # a rank whose Done came keeps its outcome
+            self.phase[r] = self._final(r) if self.phase[r] == "ending" else "stopped"
+        self._pending.append(Action("stop", stuck, reason))
+
+    def _abort_at(self, now: float) -> float | None:
+        running = self.running
+        if self.aborted_at is not None or not running or self.stopped:
+            return None
+        times = []
+        if self.first_failure is not None:
+            times.append(self.first_failure[0] + self.abort_after)
+        if self.interrupt_at is not None:
+            times.append(self.interrupt_at + self.grace / 2)
+        if not times:
+            return None
+        trigger = self.triggered_at
+        some_ended = any(p != "running" for p in self.phase.values())
+        if some_ended and all(
+            r in self.where and self.where[r].taken >= trigger and self.waiting_in(r)
+            for r in running
+        ):
+            return now  # every rank left waits in a collective that cannot complete
+        return min(times)
+
+    def due(self, now: float) -> list[Action]:
+        """Everything that must happen by ``now``, in order."""
+        actions, self._pending = self._pending, []
+        if self.stopped or self.finished:
+            return actions
+        if self.timeout is not None and now >= self.started + self.timeout:
+            actions += self.interrupt("timeout", now)
+        if self.interrupt_at is not None and now >= self.interrupt_at + self.grace:
+            self._stop(self.interrupted or "interrupt", now)
+            return actions + self._take_pending()
+        abort_at = self._abort_at(now)
+        if abort_at is not None and now >= abort_at:
+            self.aborted_at, self.aborted_running = now, tuple(self.running)
+            actions.append(Action("abort", self.aborted_running))
+        if now >= self._next_sample and self.running:
+            fast = self.first_failure is not None or self.interrupt_at is not None
+            fast = fast and self.aborted_at is None
+            self._next_sample = now + (SAMPLE_FAST if fast else SAMPLE_EVERY)
+            actions.append(Action("stacks", tuple(self.running)))
+        return actions
+
+    def _take_pending(self) -> list[Action]:
+        pending, self._pending = self._pending, []
+        return pending
+
+    @property
+    def deadline(self) -> float | None:
+        """The next time :meth:`due` has something to do (None: only events matter)."""
+        if self.stopped or self.finished:
+            return None
+        times = [self._next_sample] if self.running else []
+        if self.timeout is not None and self.interrupt_at is None:
+            times.append(self.started + self.timeout)
+        if self.interrupt_at is not None:
+            times.append(self.interrupt_at + self.grace)
+        if self.aborted_at is None and self.running:
+            if self.first_failure is not None:
+                times.append(self.first_failure[0] + self.abort_after)
+            if self.interrupt_at is not None:
+                times.append(self.interrupt_at + self.grace / 2)
+        return min(times) if times else None

@@ -1,0 +1,145 @@
+"""The cell supervisor's rules, with fake ranks and a fake clock (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nbddp.supervisor import SAMPLE_EVERY, Action, CellSupervisor
+
+CELL = "<ddp-cell-1>"
+IN_REDUCE = (
+    (CELL, 3, "<module>", "dist.all_reduce(t)"),
+    ("/site/torch/distributed/c10d_logger.py", 81, "wrapper", "return func(*a)"),
+    ("/site/torch/distributed/distributed_c10d.py", 2900, "all_reduce", "work.wait()"),
+)
+IN_SLEEP = ((CELL, 5, "<module>", "time.sleep(60)"),)
+
+
+class FakeRanks:
+    """Ranks that answer the supervisor's actions the way real ones would, on a fake clock."""
+
+    def __init__(self, n: int, **options) -> None:
+        self.now = 100.0
+        self.sup = CellSupervisor(1, list(range(n)), self.now, **options)
+        self.places = {r: IN_SLEEP for r in range(n)}
+        self.log: list[Action] = []
+
+    def step(self, dt: float = 0.0) -> list[Action]:
+        self.now += dt
+        actions = self.sup.due(self.now)
+        self.log += actions
+        for action in actions:
+            if action.kind == "stacks":
+                for r in action.ranks:
+                    self.sup.stacks(r, self.places[r], self.now)
+        return actions
+
+    def finish(self, rank: int, status: str = "ok") -> None:
+        self.sup.done(rank, status, self.now)
+        assert self.sup.ended(rank)
+
+    def kinds(self) -> list[str]:
+        return [a.kind for a in self.log]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_a_failure_aborts_at_once_when_every_other_rank_waits_in_a_collective(n):
+    ranks = FakeRanks(n)
+    for r in range(n):
+        ranks.places[r] = IN_REDUCE
+    ranks.finish(n - 2, "error")
+    actions = ranks.step(0.01)  # the stacks are asked for at once ...
+    assert [a.kind for a in actions] == ["stacks"]
+    actions = ranks.step(0.01)  # ... and, all waiting, the whole group is aborted
+    assert Action("abort", tuple(r for r in range(n) if r != n - 2)) in actions
+    assert ranks.sup.deadline is None or ranks.sup.deadline > ranks.now
+
+
+def test_a_failure_waits_abort_after_when_a_rank_is_still_computing():
+    ranks = FakeRanks(4, abort_after=1.0)
+    ranks.places.update({0: IN_REDUCE, 1: IN_REDUCE, 3: IN_SLEEP})
+    ranks.finish(2, "error")
+    for _ in range(9):
+        assert "abort" not in [a.kind for a in ranks.step(0.1)]
+    assert "abort" in [a.kind for a in ranks.step(0.11)]
+    assert ranks.kinds().count("abort") == 1  # once per cell
+
+
+def test_no_abort_when_the_others_finish_by_themselves():
+    ranks = FakeRanks(3)
+    ranks.finish(1, "error")
+    ranks.finish(0)
+    ranks.finish(2)
+    assert ranks.sup.finished and "abort" not in [a.kind for a in ranks.step(5.0)]
+    assert ranks.sup.deadline is None
+
+
+def test_an_interrupt_takes_stacks_before_the_signal_then_aborts_then_stops():
+    ranks = FakeRanks(2, grace=3.0)
+    actions = ranks.sup.interrupt("interrupt", ranks.now)
+    assert actions == [Action("stacks", (0, 1)), Action("interrupt", (0, 1), "interrupt")]
+    assert ranks.sup.interrupt("interrupt", ranks.now) == []  # a second press: nothing new
+    ranks.sup.stacks(0, IN_SLEEP, ranks.now)
+    assert ranks.sup.stacks_at_interrupt == {0: IN_SLEEP}
+    assert "abort" not in ranks.kinds() + [a.kind for a in ranks.step(1.4)]
+    assert "abort" in [a.kind for a in ranks.step(0.2)]  # halfway through the grace period
+    assert [a.kind for a in ranks.step(1.5)] == ["stop"]  # still not back: stuck in C
+    assert ranks.sup.stopped == "interrupt" and ranks.sup.finished
+
+
+def test_an_interrupted_rank_with_the_others_in_a_collective_aborts_early():
+    ranks = FakeRanks(4)
+    ranks.places.update({0: IN_REDUCE, 1: IN_REDUCE, 3: IN_REDUCE})
+    ranks.sup.interrupt("interrupt", ranks.now)
+    ranks.finish(2, "interrupted")
+    ranks.step(0.01)
+    assert "abort" in [a.kind for a in ranks.step(0.01)]
+
+
+def test_every_rank_blocked_waits_half_the_grace_before_aborting():
+    """Mismatched collectives: no rank ended, so a collective might still complete."""
+    ranks = FakeRanks(4, grace=2.0)
+    ranks.places = {r: IN_REDUCE for r in range(4)}
+    ranks.sup.interrupt("interrupt", ranks.now)
+    assert "abort" not in [a.kind for a in ranks.step(0.5)]
+    assert "abort" in [a.kind for a in ranks.step(0.6)]
+
+
+def test_the_timeout_interrupts_like_the_stop_button():
+    ranks = FakeRanks(2, timeout=5.0)
+    assert ranks.sup.deadline == pytest.approx(100.0 + min(5.0, SAMPLE_EVERY))
+    ranks.step(4.9)
+    assert "interrupt" not in ranks.kinds()
+    assert Action("interrupt", (0, 1), "timeout") in ranks.step(0.2)
+    assert ranks.sup.interrupted == "timeout"
+
+
+def test_a_death_stops_the_others_at_once_and_keeps_what_finished():
+    ranks = FakeRanks(4)
+    ranks.finish(0)
+    ranks.sup.done(1, "error", ranks.now)  # its output not yet all in
+    ranks.sup.died(2, ranks.now)
+    assert ranks.step() == [Action("stop", (3,), "death")]
+    assert ranks.sup.phase == {0: "ok", 1: "failed", 2: "dead", 3: "stopped"}
+    assert ranks.sup.finished and ranks.sup.first_failure == (100.0, 1)
+
+
+def test_long_cells_are_sampled_and_a_place_is_reported_once_with_its_start():
+    ranks = FakeRanks(2)
+    ranks.places = {0: IN_REDUCE, 1: IN_SLEEP}
+    assert ranks.step(SAMPLE_EVERY - 0.1) == []
+    assert ranks.step(0.1) == [Action("stacks", (0, 1))]
+    first_seen = ranks.sup.where[0].since
+    assert ranks.sup.waiting_in(0) == "all_reduce" and ranks.sup.waiting_in(1) is None
+    ranks.step(SAMPLE_EVERY)
+    assert ranks.sup.where[0].since == first_seen  # the same place: waiting since then
+    assert ranks.sup.stacks(0, IN_REDUCE, ranks.now) is None  # nothing new to report
+
+
+def test_reports_from_ranks_outside_the_cell_or_after_they_ended_are_ignored():
+    ranks = FakeRanks(2)
+    ranks.finish(0)
+    ranks.sup.done(0, "error", ranks.now)  # a second Done changes nothing
+    assert ranks.sup.phase[0] == "ok" and ranks.sup.first_failure is None
+    assert ranks.sup.stacks(5, IN_SLEEP, ranks.now) is None
+    assert not ranks.sup.ended(1)  # no Done yet
