@@ -1,6 +1,7 @@
-"""Failure figures, side by side: ``python benchmarks/bench_failures.py [--limit 20]``.
+"""Failure figures, side by side: ``python benchmarks/bench_failures.py [--ranks 2 4 8]``.
 
-For each case of the crash matrix, on 2 ranks with gloo:
+For each case of the fault matrix, at each world size, with gloo; the failing
+rank is N-2 (rank 0 of 2):
 
 - detect: seconds from the failure (the failing rank prints the time just
   before it fails; for interrupts, the moment the interrupt is sent) to the
@@ -9,11 +10,15 @@ For each case of the crash matrix, on 2 ranks with gloo:
   (restarting the pool where state was lost);
 - state: whether the ranks' namespaces survived.
 
-The same cases run on ipyparallel (2 engines that form a gloo group, the
+Interrupts are sent once every rank has printed "ready" (the line before the
+one it blocks on) and 0.3 s more have passed.
+
+The same cases run on ipyparallel (N engines that form a gloo group, the
 controller with ``--HeartMonitor.period=500``, interrupts sent with
-``Cluster.signal_engines(SIGINT)``), each on a fresh cluster, waiting at most
-``--limit`` seconds for an answer. nbdistributed is not run: its shutdown
-calls ``pkill -f`` on other processes' command lines.
+``Cluster.signal_engines(SIGINT)`` 1 s after the cell was sent), each on a
+fresh cluster, waiting at most ``--limit`` seconds for an answer.
+nbdistributed is not run: its shutdown calls ``pkill -f`` on other processes'
+command lines.
 """
 
 from __future__ import annotations
@@ -24,69 +29,85 @@ import re
 import signal
 import socket
 import statistics
-import threading
 import time
 
 MARK = "import time as _t\nprint('FAIL_AT', _t.time(), flush=True)\n"
-COLL = "import torch.distributed as dist\n"
+READY = "print('ready', flush=True)\n"
+COLL = "import torch.distributed as dist\nt = torch.ones(1)\n"
 
+
+def _at_bad(code: str) -> str:
+    """``code`` run by the failing rank only, right after it prints the time."""
+    body = (MARK + code).replace("\n", "\n    ")
+    return f"if rank == BAD:\n    {body}\n"
+
+
+# name: (code, interrupted, ipyparallel runs it)
 CASES = {
-    "raise": ("if rank == 1:\n    " + MARK.replace("\n", "\n    ") + "raise ValueError('x')", None),
-    "os._exit": (
-        "import os\nif rank == 1:\n    "
-        + MARK.replace("\n", "\n    ")
-        + "os._exit(7)\n_t.sleep(60)",
-        None,
-    ),
+    "raise": (_at_bad("raise ValueError('x')"), False, True),
+    "sys.exit(3)": (_at_bad("import sys; sys.exit(3)"), False, True),
+    "os._exit(7)": (_at_bad("import os; os._exit(7)"), False, True),
     "SIGKILL": (
-        "import os\nif rank == 1:\n    "
-        + MARK.replace("\n", "\n    ")
-        + "os.kill(os.getpid(), 9)\n_t.sleep(60)",
-        None,
+        COLL + _at_bad("import os; os.kill(os.getpid(), 9)") + "dist.all_reduce(t)",
+        False,
+        True,
     ),
-    "SIGSEGV": (
-        "import ctypes\nif rank == 1:\n    "
-        + MARK.replace("\n", "\n    ")
-        + "ctypes.string_at(0)\n_t.sleep(60)",
-        None,
+    "SIGSEGV": (_at_bad("import ctypes; ctypes.string_at(0)"), False, True),
+    "raise before a collective": (
+        COLL + _at_bad("raise ValueError('x')") + "dist.all_reduce(t)",
+        False,
+        True,
     ),
-    "failure before a collective": (
-        COLL
-        + "t = torch.ones(1)\nif rank == 1:\n    "
-        + MARK.replace("\n", "\n    ")
-        + "raise ValueError('x')\ndist.all_reduce(t)",
-        None,
+    "raise between collectives": (
+        COLL + "dist.all_reduce(t)\n" + _at_bad("raise ValueError('x')") + "dist.all_reduce(t)",
+        False,
+        True,
     ),
-    "infinite loop + interrupt": ("while True:\n    pass", 1.0),
-    "time.sleep + interrupt": ("import time\ntime.sleep(60)", 1.0),
-    "deadlock in a collective + interrupt": (
-        COLL + "import time\nif rank == 0:\n    dist.barrier()\nelse:\n    time.sleep(60)",
-        1.0,
+    "infinite loop + interrupt": (READY + "while True:\n    pass", True, True),
+    "sleep + interrupt, others in all_reduce": (
+        COLL + "import time\n" + READY + "if rank == BAD:\n    time.sleep(60)\ndist.all_reduce(t)",
+        True,
+        True,
+    ),
+    "mismatched collectives + interrupt": (
+        COLL + READY + "if rank == BAD:\n    dist.barrier()\nelse:\n    dist.all_reduce(t)",
+        True,
+        True,
     ),
     "stuck in C ignoring SIGINT + interrupt": (
-        "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)",
-        1.0,
+        "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        + READY
+        + "time.sleep(60)",
+        True,
+        True,
+    ),
+    "mismatched collectives, --debug": (
+        COLL + "if rank == BAD:\n    " + MARK.replace("\n", "\n    ") + "dist.barrier()\n"
+        "else:\n    dist.all_reduce(t)",
+        False,
+        False,
     ),
 }
 FAIL_AT = re.compile(r"FAIL_AT (\d+\.\d+)")
 
 
-def nbddp_case(pool, code: str, interrupt_after: float | None) -> dict:
+def nbddp_case(pool, code: str, interrupted: bool) -> dict:
     from nbddp import protocol as P
 
+    n = pool.world_size
     pool.execute(COLL + "kept = rank")
     sent: list[float] = []
-    if interrupt_after:
-
-        def fire():
-            sent.append(time.time())
-            pool.interrupt()
-
-        threading.Timer(interrupt_after, fire).start()
-    fail_at = None
-    for ev in pool.run(code):
+    fail_at, ready, fire_at = None, 0, None
+    for ev in pool.run(code, tick=0.02):
         if isinstance(ev, P.Output) and (m := FAIL_AT.search(ev.text)):
             fail_at = float(m.group(1))
+        if isinstance(ev, P.Output) and interrupted:
+            ready += ev.text.count("ready")
+            if ready == n and fire_at is None:
+                fire_at = time.monotonic() + 0.3
+        if fire_at is not None and not sent and time.monotonic() >= fire_at:
+            sent.append(time.time())
+            pool.interrupt()
         if isinstance(ev, P.CellEnd):
             end_t = time.time()
     fail_at = sent[0] if sent else fail_at
@@ -95,7 +116,7 @@ def nbddp_case(pool, code: str, interrupt_after: float | None) -> dict:
     return {
         "detect_s": end_t - fail_at,
         "recover_s": time.perf_counter() - t0,
-        "state_kept": values == [0, 1],
+        "state_kept": values == list(range(n)),
     }
 
 
@@ -105,17 +126,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ipp_case(code: str, interrupt_after: float | None, limit: float) -> dict:
+def ipp_case(code: str, n: int, interrupted: bool, limit: float) -> dict:
     import ipyparallel as ipp
 
-    cluster = ipp.Cluster(n=2, controller_args=["--HeartMonitor.period=500"], log_level=40)
+    cluster = ipp.Cluster(n=n, controller_args=["--HeartMonitor.period=500"], log_level=40)
     rc = cluster.start_and_connect_sync()
     try:
-        rc.wait_for_engines(2, timeout=120)
+        rc.wait_for_engines(n, timeout=120)
         port = free_port()
         for rank, eid in enumerate(sorted(rc.ids)):
             rc[eid].execute(
-                f"import os; os.environ.update(RANK='{rank}', WORLD_SIZE='2', "
+                f"import os; os.environ.update(RANK='{rank}', WORLD_SIZE='{n}', "
                 f"MASTER_ADDR='127.0.0.1', MASTER_PORT='{port}')"
             )
         view = rc[sorted(rc.ids)]
@@ -126,8 +147,8 @@ def ipp_case(code: str, interrupt_after: float | None, limit: float) -> dict:
         ).get(timeout=120)
         ar = view.execute(code, block=False)
         sent: list[float] = []
-        if interrupt_after:
-            time.sleep(interrupt_after)
+        if interrupted:
+            time.sleep(1.0)
             sent.append(time.time())
             cluster.signal_engines_sync(signal.SIGINT)
         outcome = "error"
@@ -150,7 +171,8 @@ def ipp_case(code: str, interrupt_after: float | None, limit: float) -> dict:
             check = view.execute("_kept = globals().get('kept')", block=False)
             check.get(timeout=limit)
             values = view.pull("_kept", block=False).get(timeout=limit)
-            after = {"recover_s": time.perf_counter() - t0, "state_kept": values == [0, 1]}
+            kept = values == list(range(n))
+            after = {"recover_s": time.perf_counter() - t0, "state_kept": kept}
         except Exception as exc:
             after = {"recover_s": None, "state_kept": False, "after": type(exc).__name__}
         return {"outcome": outcome, "detect_s": detect, **after}
@@ -163,40 +185,43 @@ def fmt(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--limit", type=float, default=20.0)
-    parser.add_argument("--no-ipyparallel", action="store_true")
-    parser.add_argument("--json")
-    args = parser.parse_args()
-
+def run_size(n: int, args) -> dict:
     from nbddp import Pool
 
+    bad = str(n - 2 if n > 2 else 0)
     results: dict = {"nbddp": {}, "ipyparallel": {}}
-    with Pool(2) as pool:
-        for name, (code, intr) in CASES.items():
-            runs = [nbddp_case(pool, code, intr) for _ in range(args.repeat)]
-            results["nbddp"][name] = {
-                "detect_s": statistics.median(r["detect_s"] for r in runs),
-                "recover_s": statistics.median(r["recover_s"] for r in runs),
-                "state_kept": all(r["state_kept"] for r in runs),
-            }
-    if not args.no_ipyparallel:
-        for name, (code, intr) in CASES.items():
-            results["ipyparallel"][name] = ipp_case(code, intr, args.limit)
+    for name, (code, interrupted, on_ipp) in CASES.items():
+        debug = "--debug" in name
+        with Pool(n, debug=debug) as pool:
+            runs = [
+                nbddp_case(pool, code.replace("BAD", bad), interrupted) for _ in range(args.repeat)
+            ]
+        results["nbddp"][name] = {
+            "detect_s": statistics.median(r["detect_s"] for r in runs),
+            "recover_s": statistics.median(r["recover_s"] for r in runs),
+            "state_kept": all(r["state_kept"] for r in runs),
+        }
+        if on_ipp and not args.no_ipyparallel:
+            results["ipyparallel"][name] = ipp_case(
+                code.replace("BAD", bad), n, interrupted, args.limit
+            )
+    return results
 
-    print("\nfailures, 2 ranks, gloo: seconds from the failure to the cell's error (detect),")
-    print("then to the next cell's result (recover)")
-    head = f"{'case':<40} {'nbddp detect':>12} {'recover':>8} {'state':>6}"
+
+def table(n: int, results: dict) -> list[str]:
+    lines = [
+        f"\n{n} ranks, gloo, failing rank {n - 2 if n > 2 else 0}: seconds from the failure "
+        "to the cell's error (detect), then to the next cell's result (recover)"
+    ]
+    head = f"{'case':<42} {'nbddp detect':>12} {'recover':>8} {'state':>6}"
     if results["ipyparallel"]:
         head += f" | {'ipyparallel':<24} {'recover':>8} {'state':>6}"
-    print(head)
+    lines.append(head)
     for name in CASES:
-        n = results["nbddp"][name]
+        r = results["nbddp"][name]
         line = (
-            f"{name:<40} {fmt(n['detect_s']):>12} {fmt(n['recover_s']):>8} "
-            f"{'kept' if n['state_kept'] else 'lost':>6}"
+            f"{name:<42} {fmt(r['detect_s']):>12} {fmt(r['recover_s']):>8} "
+            f"{'kept' if r['state_kept'] else 'lost':>6}"
         )
         if name in results["ipyparallel"]:
             i = results["ipyparallel"][name]
@@ -204,10 +229,26 @@ def main() -> None:
             line += (
                 f" | {what:<24} {fmt(i['recover_s']):>8} {'kept' if i['state_kept'] else 'lost':>6}"
             )
-        print(line)
+        lines.append(line)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--limit", type=float, default=20.0)
+    parser.add_argument("--no-ipyparallel", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    everything = {}
+    for n in args.ranks:
+        everything[n] = run_size(n, args)
+        print("\n".join(table(n, everything[n])), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump(everything, f, indent=2)
 
 
 if __name__ == "__main__":

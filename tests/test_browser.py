@@ -36,12 +36,14 @@ playwright = pytest.importorskip("playwright.sync_api", reason="needs playwright
 
 CELLS = [
     "%load_ext nbddp",
-    "%%ddp -n 2\n"
-    "import sys\n"
+    "%%ddp -n 4\n"
+    "import sys, torch.distributed as dist\n"
     "print(f'hello from rank {rank}')\n"
     "print(f'a warning on rank {rank}', file=sys.stderr)\n"
-    "if rank == 1:\n"
-    "    raise ValueError('rank one is unhappy')",
+    "t = torch.ones(1)\n"
+    "if rank == 2:\n"
+    "    raise ValueError('rank two is unhappy')\n"
+    "dist.all_reduce(t)",
 ]
 
 
@@ -133,7 +135,7 @@ def page(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_the_dashboard_shows_both_ranks_and_the_failed_row_in_jupyterlab(lab, page):
+def test_a_rank_of_four_failing_before_a_collective_ends_the_cell_with_its_row_red(lab, page):
     expect = playwright.expect
     url, _ = lab
     ARTIFACTS.mkdir(exist_ok=True)
@@ -147,26 +149,31 @@ def test_the_dashboard_shows_both_ranks_and_the_failed_row_in_jupyterlab(lab, pa
         error = cell.locator(
             ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
         )
-        expect(error).to_contain_text("rank 1: ValueError: rank one is unhappy", timeout=120_000)
+        expect(error).to_contain_text("rank 2: ValueError: rank two is unhappy", timeout=120_000)
+        expect(error).to_contain_text(
+            "ranks 0, 1, 3: freed from a collective (all_reduce) after rank 2 failed"
+        )
+        expect(cell.locator(".jp-InputArea-prompt")).not_to_contain_text("[*]")  # it ended
         ranks = cell.locator(".nbddp-ranks")  # each row ends with the rank's last line
-        expect(ranks).to_contain_text("a warning on rank 0")
-        expect(ranks).to_contain_text("a warning on rank 1")
+        for rank in range(4):
+            expect(ranks).to_contain_text(f"rank {rank}")
         failed = cell.locator(".nbddp-row.nbddp-failed")
         expect(failed).to_have_count(1)
-        assert failed.get_attribute("data-rank") == "1"
+        assert failed.get_attribute("data-rank") == "2"
         background = failed.evaluate("e => getComputedStyle(e).backgroundColor")
         assert background == "rgb(253, 231, 231)"
+        expect(cell.locator(".nbddp-row.nbddp-freed")).to_have_count(3)
         # the failed rank's pane is the one open, and shows its lines, stderr apart
         pane = cell.locator(".nbddp-pane:visible")
-        expect(pane).to_contain_text("hello from rank 1")
-        expect(pane.locator("span", has_text="a warning on rank 1")).to_have_css(
+        expect(pane).to_contain_text("hello from rank 2")
+        expect(pane.locator("span", has_text="a warning on rank 2")).to_have_css(
             "color", "rgb(183, 28, 28)"
         )
         assert "Loading widget" not in cell.locator(".jp-Cell-outputArea").inner_text()
         # the "all ranks" tab interleaves both ranks, labelled
         cell.locator(".lm-TabBar-tab", has_text="all ranks").click()
         all_pane = cell.locator(".nbddp-pane:visible")
-        expect(all_pane).to_contain_text("[0] hello from rank 0")
-        expect(all_pane).to_contain_text("[1] hello from rank 1")
+        for rank in range(4):
+            expect(all_pane).to_contain_text(f"[{rank}] hello from rank {rank}")
     finally:
         page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)

@@ -207,3 +207,17 @@ def test_text_lines_and_rows_name_the_host_when_ranks_span_hosts():
     d, _ = dashboard(hosts={0: "node-a", 1: "node-b"})
     d.close(P.CellEnd(1, (0, 1)))
     assert "rank 1 <span style='color:#888'>node-b</span>" in d.table.value
+
+
+def test_a_rank_blocked_in_a_collective_shows_what_it_waits_in_and_for_how_long():
+    now = [100.0]
+    board = Dashboard([0, 1, 2], world_size=3, clock=lambda: now[0], interval=0)
+    for rank in range(3):
+        board.handle(P.RankState(rank, "running"))
+    board.handle(P.RankWhere(0, "all_reduce, cell line 3: dist.all_reduce(t)", "all_reduce", 88.0))
+    board.handle(P.RankWhere(1, "cell line 5: time.sleep(60)", None, 99.0))
+    table = board._table_html(now[0])
+    assert "waiting in all_reduce (12 s)" in table
+    assert table.count("waiting in") == 1 and ">running<" in table
+    board.handle(P.RankState(0, "interrupted"))
+    assert "waiting in" not in board._table_html(now[0])

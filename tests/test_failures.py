@@ -196,7 +196,7 @@ def test_fault_matrix(sized_pool, case):
     events = pool.run(code, want_values=case.want_values, timeout=case.timeout, tick=0.05)
     if case.interrupt:
         events = interrupt_when_ready(pool, events, n if case.interrupt == "all" else 1)
-    text, _, end = collect(events)
+    text, seen, end = collect(events)
 
     with pytest.raises(CellFailed) as failed:
         raise_for_end(end)
@@ -211,6 +211,9 @@ def test_fault_matrix(sized_pool, case):
         assert freed_line, message
         assert freed_line.group(3) == f"rank {bad} failed", message
         assert sorted(f.rank for f in failed.value.consequences) == others
+        # in the dashboard, the root cause is red and the others are "freed"
+        assert P.RankState(bad, "failed") in seen
+        assert all(P.RankState(r, "freed") in seen for r in others), seen
     elif case.freed is None and freed_line:
         assert freed_line.group(3) == f"rank {bad} died", message
     else:

@@ -179,3 +179,59 @@ def test_rich_output_and_figures_come_from_the_display_ranks(kernel):
     r = execute(kc, "%%ddp --display 1\nfig = plt.figure()\nplt.plot([3, rank])\nfig")
     assert len([d for d in r.displays if "image/png" in d]) == 1
     execute(kc, "%ddp stop")
+
+
+def test_the_hang_cases_at_four_ranks_end_with_the_root_cause_and_keep_state(kernel):
+    """What the issue measured hanging at 4 ranks, as a notebook user meets it."""
+    km, kc = kernel
+    execute(kc, "%load_ext nbddp")
+    execute(kc, "%%ddp -n 4\nimport torch.distributed as dist\nkept = rank + 10")
+    before = pool_pids(kc)
+
+    # a rank raises before a collective (the dashboard: the failed row turns red)
+    r = execute(
+        kc, "%%ddp\nt = torch.ones(1)\nif rank == 2:\n    raise ValueError('x')\ndist.all_reduce(t)"
+    )
+    assert r.error["ename"] == "CellFailed", r.text
+    lines = r.error["evalue"].splitlines()
+    assert lines[:2] == [
+        "rank 2: ValueError: x",
+        "ranks 0, 1, 3: freed from a collective (all_reduce) after rank 2 failed",
+    ]
+    assert "nbddp-row nbddp-failed' data-rank='2'" in r.displays[-1]["text/html"]
+
+    # one rank sleeps, the others wait in all_reduce; the stop button
+    def stop_when_all_ready(reply):
+        if reply.stdout.count("ready") == 4 and not km_interrupted:
+            km_interrupted.append(1)
+            time.sleep(0.3)
+            km.interrupt_kernel()
+
+    km_interrupted: list[int] = []
+    r = execute(
+        kc,
+        "%%ddp --text\nimport time\nt = torch.ones(1)\nprint('ready', flush=True)\n"
+        "if rank == 2:\n    time.sleep(60)\ndist.all_reduce(t)",
+        on_output=stop_when_all_ready,
+    )
+    assert km_interrupted and r.error["ename"] == "CellInterrupted", r.text
+    assert "rank 2: cell line 5: time.sleep(60)" in r.error["evalue"]
+    assert "ranks 0, 1, 3: all_reduce, cell line 6: dist.all_reduce(t)" in r.error["evalue"]
+
+    # sys.exit is an error of that rank; nothing was lost so far
+    r = execute(kc, "%%ddp --text\nimport sys\nif rank == 3:\n    sys.exit(2)")
+    assert r.error["evalue"].startswith("rank 3: SystemExit: 2")
+    r = execute(kc, "%%ddp --text\nprint('kept', kept)")
+    assert r.error is None and all(f"[rank {i}] kept {i + 10}" in r.stdout for i in range(4))
+    assert pool_pids(kc) == before
+
+    # a rank killed before a collective: its death is named first, not a peer's gloo error
+    r = execute(
+        kc,
+        "%%ddp --text\nimport os, signal\nt = torch.ones(1)\n"
+        "if rank == 2:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.all_reduce(t)",
+    )
+    assert r.error["evalue"].startswith("rank 2 died (killed by SIGKILL)"), r.error["evalue"]
+    r = execute(kc, "%%ddp --text\nprint('new', 'kept' in globals())")
+    assert "state was lost" in r.stdout and "[rank 0] new False" in r.stdout
+    execute(kc, "%ddp stop")

@@ -135,6 +135,39 @@ def test_ranks_quiet_and_timeout(shell, run):
     assert shell.user_ns["alive"] == [0, 1]
 
 
+def test_a_timed_out_cell_says_where_each_rank_was_and_stacks_recall_it(shell, run):
+    run("%%ddp -n 3\npass")
+    code = "%%ddp --timeout 1\nimport time, torch.distributed as dist\n"
+    code += "if rank == 1:\n    time.sleep(30)\ndist.barrier()"
+    result, out = run(code)
+    assert not result.success and "cell timed out" in out
+    assert "rank 1: cell line 3: time.sleep(30)" in out
+    assert "ranks 0, 2: barrier, cell line 4: dist.barrier()" in out
+    result, out = run("%ddp stacks")
+    assert "every rank is idle (ranks 0-2)" in out
+    assert "rank 1: cell line 3: time.sleep(30)" in out.split("last cell was interrupted")[1]
+    assert run("%%ddp --out alive\nrank")[0].success  # and nothing was lost
+    assert shell.user_ns["alive"] == [0, 1, 2]
+
+
+def test_sys_exit_in_a_cell_is_an_error_and_keeps_the_rank(shell, run):
+    run("%%ddp -n 2\nkept = rank * 7")
+    result, out = run("%%ddp\nimport sys\nif rank == 1:\n    sys.exit(3)")
+    assert not result.success and "rank 1: SystemExit: 3" in out
+    assert run("%%ddp --out k\nkept")[0].success and shell.user_ns["k"] == [0, 7]
+
+
+def test_start_with_debug_turns_on_torchs_collective_checks(shell, run):
+    result, out = run("%ddp start -n 2 --debug")
+    assert result.success and magics(shell).pool.debug
+    code = "%%ddp\nimport torch.distributed as dist\n"
+    code += "dist.barrier() if rank == 0 else dist.all_reduce(torch.ones(1))"
+    result, out = run(code)
+    assert not result.success and "Detected mismatch between collectives" in out
+    run("%ddp start -n 2")
+    assert not magics(shell).pool.debug
+
+
 def test_push_and_pull(shell, run):
     run("%%ddp -n 2\npass")
     run("payload = {'a': [1, 2]}\ndef double(x): return 2 * x")

@@ -29,7 +29,9 @@ STATE_COLOURS = {
     "done": "#2a8a2a",
     "failed": "#c62828",
     "interrupted": "#d9822b",
+    "freed": "#d9822b",
     "dead": "#7f0000",
+    "waiting": "#b8860b",
 }
 FAILED_STATES = ("failed", "dead")
 
@@ -187,6 +189,14 @@ class _RankView:
         self.progress: P.RankProgress | None = None
         self.result: str | None = None
         self.pane_dirty = False
+        self.waiting: tuple[str, float] | None = None  # (collective, since) while blocked in it
+
+    def state_text(self, now: float) -> str:
+        """``running``, or ``waiting in all_reduce (12 s)`` for a rank blocked in a collective."""
+        if self.state == "running" and self.waiting is not None:
+            op, since = self.waiting
+            return f"waiting in {op} ({now - since:.0f} s)"
+        return self.state
 
 
 def _esc(text: str) -> str:
@@ -284,6 +294,10 @@ class Dashboard:
                 view.progress = event
         elif isinstance(event, P.RankDisplay):
             show_rich(event)
+        elif isinstance(event, P.RankWhere):
+            view = self.views.get(event.rank)
+            if view is not None:
+                view.waiting = (event.waiting, event.since) if event.waiting else None
         self._render()
 
     def _state(self, rank: int, view: _RankView, state: str) -> None:
@@ -291,7 +305,7 @@ class Dashboard:
         if state == "running" and view.started is None:
             view.started = now
         elif state != "running":
-            view.ended = now
+            view.ended, view.waiting = now, None
             for stream, lines in view.lines.items():
                 for line in lines.flush():
                     self._add(rank, view, stream, line)
@@ -371,13 +385,14 @@ class Dashboard:
         rows = []
         for rank in sorted(self.views):
             view = self.views[rank]
-            colour = STATE_COLOURS.get(view.state, "#888888")
+            shown = view.state_text(now)
+            colour = STATE_COLOURS.get(shown.split()[0], "#888888")
             failed = view.state in FAILED_STATES
             style = "background:#fde7e7;" if failed else ""
             rows.append(
                 f"<tr class='nbddp-row nbddp-{view.state}' data-rank='{rank}' style='{style}'>"
                 f"<td style='padding:1px 8px'>rank {rank}{self._host(rank)}</td>"
-                f"<td style='padding:1px 8px;color:{colour};font-weight:bold'>{view.state}</td>"
+                f"<td style='padding:1px 8px;color:{colour};font-weight:bold'>{shown}</td>"
                 f"<td style='padding:1px 8px;text-align:right'>{self._elapsed(view, now)}</td>"
                 f"<td style='padding:1px 8px'>{self._progress_html(view.progress)}</td>"
                 "<td style='padding:1px 8px;font-family:monospace;max-width:60ch;"

@@ -18,7 +18,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from . import capture, launch
+from . import capture, launch, stacks
 from . import protocol as P
 from .dashboard import Dashboard, TextSink
 from .errors import CaptureError, CellInterrupted, PoolClosedError, PoolStartError
@@ -27,7 +27,17 @@ from .pool import Pool, default_pool, raise_for_end, set_default_pool
 
 __all__ = ["DDPMagics", "launcher_hints", "load", "unload"]
 
-SUBCOMMANDS = ("start", "attach", "status", "restart", "stop", "interrupt", "push", "pull")
+SUBCOMMANDS = (
+    "start",
+    "attach",
+    "status",
+    "stacks",
+    "restart",
+    "stop",
+    "interrupt",
+    "push",
+    "pull",
+)
 
 
 def _world_size(text: str) -> int:
@@ -127,6 +137,11 @@ def ddp_cell(line, cell):
 @argument("--mesh", help="a DeviceMesh bound as `mesh`: 'dp=2,tp=2' (product = world size)")
 @argument("--log-dir", help="every rank's output to DIR/{rank}/stdout.log, stderr.log")
 @argument("--tee", help="ranks whose output the notebook shows (all): the rest only in --log-dir")
+@argument(
+    "--debug",
+    action="store_true",
+    help="torch's collective checks (TORCH_DISTRIBUTED_DEBUG=DETAIL): a mismatch fails at once",
+)
 def ddp_start(line):
     """Start the pool (restarting it with these options if one runs)."""
 
@@ -190,7 +205,7 @@ class DDPMagics(Magics):
         %%ddp [-n N] [--need NAMES] [--imports STMTS] [--ranks RANKS] [--out VAR]
               [--timeout S] [--display RANKS] [--text] [--quiet]
         %ddp start [-n N] [--backend gloo|nccl] [--start-method M] [--timeout S] [--grace S]
-        %ddp status | restart | stop | interrupt
+        %ddp status | stacks | restart | stop | interrupt
         %ddp push NAMES [--ranks RANKS]
         x = %ddp pull NAME [--rank R | --all]
         """
@@ -260,6 +275,7 @@ class DDPMagics(Magics):
             "groups": args.groups,
             "mesh": args.mesh,
             "log_dir": os.path.abspath(os.path.expanduser(args.log_dir)) if args.log_dir else None,
+            "debug": args.debug or None,
         }
         if self.pool is not None:
             self.pool.stop()
@@ -335,6 +351,21 @@ class DDPMagics(Magics):
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for row in rows:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+    def _stacks(self, rest: str) -> None:
+        """Every rank's current Python stack, grouped; and where the last stuck cell was."""
+        if self.pool is None or not self.pool.started:
+            print("nbddp: no pool is running")
+            return
+        now = self.pool.stacks()
+        busy = {rank: frames for rank, frames in now.items() if frames}
+        if busy:
+            print("\n".join(stacks.format_groups(busy)))
+        else:
+            print(f"nbddp: every rank is idle ({stacks.rank_set(sorted(now))})")
+        if self.pool.last_stacks:
+            print("where the ranks were when the last cell was interrupted or timed out:")
+            print("\n".join(stacks.format_groups(self.pool.last_stacks)))
 
     def _restart(self, rest: str) -> None:
         if self.pool is None:

@@ -1059,7 +1059,7 @@ class _Outcome:
         done = self.done[rank]
         if done.status == "error":
             self.errors[rank] = done.error
-            yield P.RankState(rank, "failed")
+            yield P.RankState(rank, "freed" if done.freed else "failed")
             return
         if done.status == "ok" and done.value is not None:
             try:

@@ -241,7 +241,8 @@ class Output:
 @dataclass(frozen=True)
 class RankState:
     rank: int
-    state: str  # "queued" | "running" | "done" | "failed" | "interrupted" | "dead"
+    state: str  # "queued" | "running" | "done" | "failed" | "freed" | "interrupted" | "dead"
+    # ("freed": its collective failed because the group was aborted after another rank failed)
 
 
 @dataclass(frozen=True)
