@@ -7,7 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+import threading
 
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
@@ -193,10 +193,11 @@ def test_garbage_and_half_open_connections_do_not_disturb_the_pool(lone):
     garbage = socket.create_connection((host, int(port)))
     garbage.sendall(os.urandom(4096))
     try:
-        t0 = time.monotonic()
         for _ in range(20):
             assert pool.execute("rank") == [0]
-        assert time.monotonic() - t0 < 2.0  # never waited on either peer
+        # the half-open peer is still being waited for, in a thread of its own (it is
+        # refused after 5 s of silence), so none of those cells waited on it
+        assert any(t.name == "nbddp-auth" and t.is_alive() for t in threading.enumerate())
     finally:
         half_open.close()
         garbage.close()

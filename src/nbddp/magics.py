@@ -21,7 +21,13 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from . import capture, launch, stacks
 from . import protocol as P
 from .dashboard import Dashboard, TextSink
-from .errors import CaptureError, CellInterrupted, PoolClosedError, PoolStartError
+from .errors import (
+    CaptureError,
+    CellFailed,
+    CellInterrupted,
+    PoolClosedError,
+    PoolStartError,
+)
 from .launch import START_METHODS
 from .pool import Pool, default_pool, raise_for_end, set_default_pool
 
@@ -521,11 +527,16 @@ class DDPMagics(Magics):
         sink.close(end)
         if end is None:
             raise CellInterrupted("interrupt", notes=["the pool was stopped"])
-        for note in [*end.notes, *launcher_hints(end)]:
-            self._say(note)
         if out is not None:
             self.shell.user_ns[out] = [end.values.get(r) for r in range(self.pool.world_size)]
-        raise_for_end(end, self.pool.hosts if self.pool is not None else None)
+        try:
+            raise_for_end(end, self.pool.hosts if self.pool is not None else None)
+        except CellFailed:  # the error carries the notes: say only the hints beside it
+            for hint in launcher_hints(end):
+                self._say(hint)
+            raise
+        for note in end.notes:
+            self._say(note)
         return end
 
     def _teed(self, event: object) -> bool:
