@@ -427,32 +427,52 @@ TENSOR_PARALLEL = [
 FAILURES = [
     new_markdown_cell(
         "# Failures and recovery\n\n"
-        "What you see when a rank raises, when a rank fails while another waits for it "
-        "in a collective, when a cell is interrupted (here by `--timeout`, as the stop "
-        "button would), and when a rank dies. Cells that fail on purpose are tagged "
+        "What you see, on 4 ranks, when a rank raises, when a rank fails while the others "
+        "wait for it in a collective, when a cell calls `sys.exit`, when a cell is stuck "
+        "and interrupted (here by `--timeout`, as the stop button would), when collectives "
+        "do not match, and when a rank dies. Cells that fail on purpose are tagged "
         "`raises-exception`."
     ),
     new_code_cell("%load_ext nbddp"),
     new_code_cell(
-        "%%ddp -n 2\nimport time\nimport torch.distributed as dist\nkept = f'state of rank {rank}'"
+        "%%ddp -n 4\nimport time\nimport torch.distributed as dist\nkept = f'state of rank {rank}'"
     ),
     new_markdown_cell("## A rank raises\n\nOne error names every failed rank, with its traceback:"),
     raises(
         "%%ddp\nprint('before the error')\nif rank == 1:\n    raise ValueError('rank 1 is unhappy')"
     ),
     new_markdown_cell(
-        "## A rank fails while another waits for it in a collective\n\n"
-        "Rank 0 would wait in `all_reduce` forever. Within a second the group is aborted, "
-        "rank 0 is freed, and the group is re-formed; every rank keeps its namespace:"
+        "## A rank fails while the others wait for it in a collective\n\n"
+        "Ranks 0, 1 and 3 would wait in `all_reduce` forever. As soon as they are all seen "
+        "waiting, the group is aborted on every rank, they are freed, and the group is "
+        "re-formed; every rank keeps its namespace. The error names the root cause first "
+        "and folds the ranks it left waiting into one line:"
     ),
     raises(
-        "%%ddp\nt = torch.ones(1)\nif rank == 1:\n    raise RuntimeError('failed before the "
+        "%%ddp\nt = torch.ones(1)\nif rank == 2:\n    raise RuntimeError('failed before the "
         "all_reduce')\ndist.all_reduce(t)"
     ),
     new_code_cell("%%ddp\nprint(kept)"),
-    new_markdown_cell("## An interrupt\n\nThe ranks come back and keep their state:"),
-    raises("%%ddp --timeout 1\ntime.sleep(60)"),
+    new_markdown_cell(
+        "## `sys.exit` in a cell\n\nAs in IPython: an error for that rank, and the rank, "
+        "with its namespace, stays:"
+    ),
+    raises("%%ddp\nimport sys\nif rank == 3:\n    sys.exit(2)"),
+    new_markdown_cell(
+        "## A stuck cell\n\nRank 2 sleeps while the others wait for it in `all_reduce`. "
+        "When the cell is interrupted, the error says where each rank was, identical stacks "
+        "grouped, in the cell's line numbers; the ranks come back and keep their state:"
+    ),
+    raises(
+        "%%ddp --timeout 2\nt = torch.ones(1)\nif rank == 2:\n    time.sleep(60)\n"
+        "dist.all_reduce(t)"
+    ),
     new_code_cell("%%ddp\nprint(kept)"),
+    new_markdown_cell(
+        "`%ddp stacks` shows where every rank is now (here: idle) and where they were "
+        "when the last cell was stopped:"
+    ),
+    new_code_cell("%ddp stacks"),
     new_markdown_cell("## A rank dies\n\nWhat it printed first still arrives:"),
     raises(
         "%%ddp\nimport os\nprint('last words', flush=True)\n"
@@ -460,6 +480,17 @@ FAILURES = [
     ),
     new_markdown_cell("The next cell starts a new pool and says the state was lost:"),
     new_code_cell("%%ddp\nprint('kept' in globals())"),
+    new_markdown_cell(
+        "## Collectives that do not match\n\n"
+        "With `%ddp start --debug` (torch's `TORCH_DISTRIBUTED_DEBUG=DETAIL`), a rank in "
+        "`barrier` while the others are in `all_reduce` fails at once with torch's own "
+        "message, instead of hanging until you interrupt it:"
+    ),
+    new_code_cell("%ddp start -n 4 --debug"),
+    raises(
+        "%%ddp\nimport torch.distributed as dist\nt = torch.ones(1)\n"
+        "dist.barrier() if rank == 0 else dist.all_reduce(t)"
+    ),
     new_code_cell("%ddp stop"),
 ]
 

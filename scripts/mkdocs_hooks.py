@@ -19,8 +19,8 @@ def magics_help() -> str:
         text = parser.parser.format_help().replace("usage: ", "usage: %", 1)
         parts.append(f"### `{title}`\n\n```text\n{text.rstrip()}\n```\n")
     commands = ", ".join(f"`{c}`" for c in magics.SUBCOMMANDS)
-    parts.append(f"`%ddp` commands: {commands} (`status`, `restart`, `stop` and "
-                 "`interrupt` take no options).\n")
+    parts.append(f"`%ddp` commands: {commands} (`status`, `stacks`, `restart`, "
+                 "`stop` and `interrupt` take no options).\n")
     return "\n".join(parts)
 
 

@@ -17,7 +17,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["DDPContext", "default_backend", "parse_groups", "parse_mesh", "seed_everything"]
+__all__ = [
+    "DDPContext",
+    "default_backend",
+    "differences",
+    "parse_groups",
+    "parse_mesh",
+    "seed_everything",
+    "threads_for",
+]
 
 DEVICES = ("cpu", "gpu", "mps")
 
@@ -160,3 +168,55 @@ class DDPContext:
     def __exit__(self, *exc: object) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def differences(
+    pool_backend: str,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+    backend: str | None = None,
+    world_size_asked: int | None = -1,
+    rank_asked: int | None = -1,
+    device_id: torch.device | int | None = None,
+) -> list[str]:
+    """How an ``init_process_group(...)`` call differs from the group a rank already has.
+
+    Empty when the call is compatible, so a torchrun script can go on with the
+    pool's group. ``backend`` may name one backend or map devices to backends
+    (``"cpu:gloo,cuda:nccl"``); the init method, store and timeout do not matter.
+    """
+    found = []
+    if backend:
+        names = {part.rpartition(":")[2].strip().lower() for part in backend.split(",")}
+        if pool_backend not in names and "undefined" not in names:
+            found.append(f"backend {backend!r}, but the pool's group is {pool_backend}")
+    if world_size_asked not in (None, -1) and world_size_asked != world_size:
+        found.append(f"world_size={world_size_asked}, but the pool has {world_size} ranks")
+    if rank_asked not in (None, -1) and rank_asked != rank:
+        found.append(f"rank={rank_asked}, but this is rank {rank}")
+    if device_id is not None:
+        asked = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
+        asked = torch.device(asked)
+        if asked.index is None and asked.type == device.type:
+            asked = device
+        if asked != device:
+            found.append(f"device_id={asked}, but this rank's device is {device}")
+    return found
+
+
+def threads_for(local_world_size: int, asked: str | None, user_omp: str | None) -> int | None:
+    """Intra-op threads per rank, as torchrun sets them; None: leave torch's default.
+
+    ``asked`` (``%ddp start --threads``): a number, or ``auto`` (the host's cores
+    divided by its ranks). Else the user's own ``OMP_NUM_THREADS`` wins; else, as
+    torchrun does, 1 when more than one rank shares the host.
+    """
+    if asked:
+        if asked == "auto":
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+            return max(1, (cores or os.cpu_count() or 1) // max(1, local_world_size))
+        return int(asked)
+    if user_omp:  # the fork server read its own environment: apply the rank's
+        return int(user_omp) if user_omp.strip().isdigit() else None
+    return 1 if local_world_size > 1 else None

@@ -18,7 +18,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from . import capture, launch, stacks
+from . import capture, export, launch, stacks
 from . import protocol as P
 from .dashboard import Dashboard, TextSink
 from .errors import (
@@ -43,6 +43,8 @@ SUBCOMMANDS = (
     "interrupt",
     "push",
     "pull",
+    "run",
+    "export",
 )
 
 
@@ -56,6 +58,12 @@ def _world_size(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"the world size must be at least 1, not {n}")
     return n
+
+
+def _threads(text: str) -> str:
+    if text != "auto" and not (text.isdigit() and int(text) >= 1):
+        raise argparse.ArgumentTypeError(f"threads: a whole number >= 1 or auto, not {text!r}")
+    return text
 
 
 def _seconds(text: str) -> float:
@@ -115,7 +123,7 @@ def default_world_size() -> int:
 
 @magic_arguments()
 @argument("-n", type=_world_size, help="world size (starts or resizes the pool)")
-@argument("--need", default="", help="notebook names to ship to the ranks: 'a,b c'")
+@argument("--need", nargs="+", default=[], help="notebook names to ship to the ranks: 'a,b c'")
 @argument("--no-auto", action="store_true", help="ship only --need names; replay no imports")
 @argument("--imports", default="", help="import statements run on the ranks first")
 @argument("--ranks", help="run only on these ranks: '0,2-3'")
@@ -148,6 +156,11 @@ def ddp_cell(line, cell):
     action="store_true",
     help="torch's collective checks (TORCH_DISTRIBUTED_DEBUG=DETAIL): a mismatch fails at once",
 )
+@argument(
+    "--threads",
+    type=_threads,
+    help="intra-op threads per rank: N, or auto (cores / ranks); default as torchrun (1)",
+)
 def ddp_start(line):
     """Start the pool (restarting it with these options if one runs)."""
 
@@ -167,6 +180,23 @@ def ddp_attach(line):
 @argument("--ranks", help="only these ranks: '0,2-3'")
 def ddp_push(line):
     """Bind notebook objects on the ranks."""
+
+
+@magic_arguments()
+@argument("--ranks", help="only these ranks: '0,2-3'")
+@argument("--keep", action="store_true", help="keep the script's globals in each rank's namespace")
+@argument("script", help="a torchrun script, run unchanged as __main__ on every rank")
+@argument("args", nargs=argparse.REMAINDER, help="the script's own arguments (its sys.argv)")
+def ddp_run(line):
+    """Run a torchrun script on the pool: ``%ddp run [--ranks R] [--keep] train.py --lr 0.1``."""
+
+
+@magic_arguments()
+@argument("file", help="the script to write, e.g. train.py")
+@argument("-n", type=_world_size, help="the torchrun command's --nproc-per-node (the pool's)")
+def ddp_export(line):
+    """Write this session's %%ddp cells, and what they used from the notebook, as a torchrun
+    script."""
 
 
 @magic_arguments()
@@ -214,6 +244,8 @@ class DDPMagics(Magics):
         %ddp status | stacks | restart | stop | interrupt
         %ddp push NAMES [--ranks RANKS]
         x = %ddp pull NAME [--rank R | --all]
+        %ddp run [--ranks RANKS] [--keep] SCRIPT.py [ARGS...]
+        %ddp export FILE.py
         """
         if cell is not None:
             return self._cell(line, cell)
@@ -282,6 +314,7 @@ class DDPMagics(Magics):
             "mesh": args.mesh,
             "log_dir": os.path.abspath(os.path.expanduser(args.log_dir)) if args.log_dir else None,
             "debug": args.debug or None,
+            "threads": args.threads,
         }
         if self.pool is not None:
             self.pool.stop()
@@ -414,12 +447,36 @@ class DDPMagics(Magics):
             return [end.values.get(r) for r in range(pool.world_size)]
         return end.values.get(args.rank)
 
+    def _run(self, rest: str) -> None:
+        args = parse_argstring(ddp_run, rest)
+        if not os.path.isfile(args.script):
+            raise UsageError(f"no such script: {args.script}")
+        pool = self._want_pool(None)
+        try:
+            ranks = capture.parse_ranks(args.ranks, pool.world_size)
+        except CaptureError as exc:
+            raise UsageError(str(exc)) from None
+        events = pool.run_script(args.script, args.args, keep=args.keep, ranks=ranks, tick=0.5)
+        self._finish(events, self._sink(pool, ranks, text=False, quiet=False))
+
+    def _export(self, rest: str) -> None:
+        args = parse_argstring(ddp_export, rest)
+        cells = [c for c in self.shell.history_manager.input_hist_raw if c.strip()]
+        cells = [c for c in cells if not c.lstrip().startswith("%ddp export")]
+        n = args.n or (self.pool.world_size if self.pool else None)
+        result = export.export(cells, n, source="this notebook", target=args.file)
+        with open(args.file, "w", encoding="utf-8") as f:
+            f.write(result.script)
+        self._say(f"wrote {args.file}: run it with {result.command(args.file)}")
+        for note in result.notes:
+            self._say(note)
+
     # -- cells
 
     def _cell(self, line: str, cell: str) -> None:
         args = parse_argstring(ddp_cell, line)
         try:
-            explicit = capture.split_names(args.need)
+            explicit = capture.split_names(" ".join(args.need))
             shared = self.pool is None or not self.pool.attached
             needs = capture.pack(capture.collect(explicit, self.shell.user_ns), shared)
             imports = capture.check_imports(args.imports)

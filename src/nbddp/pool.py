@@ -198,6 +198,7 @@ class Pool:
         mesh: str | None = None,
         log_dir: str | None = None,
         debug: bool = False,
+        threads: str | int | None = None,
     ) -> None:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"the world size must be a whole number >= 1, not {n!r}")
@@ -212,6 +213,9 @@ class Pool:
         self.groups, self.mesh = groups, mesh
         self.log_dir = log_dir
         self.debug = debug  # torch's collective checks: a mismatch fails at once
+        self.threads = None if threads is None else str(threads)  # N or "auto" per rank
+        if self.threads is not None and self.threads != "auto" and not self.threads.isdigit():
+            raise ValueError(f"threads: a number or 'auto', not {threads!r}")
         self._logs: dict[tuple[int, str], object] = {}  # (rank, stream) -> open log file
         self.world_size = n
         self.start_method = start_method
@@ -429,6 +433,8 @@ class Pool:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus))
         if self.debug:
             env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        if self.threads is not None:
+            env["NBDDP_THREADS"] = self.threads
         env.update(self.extra_env)
         return env
 
@@ -733,6 +739,7 @@ class Pool:
         timeout: float | None = None,
         display_ranks: list[int] | None = None,
         tick: float | None = None,
+        script: P.Script | None = None,
     ) -> Iterator[object]:
         """Run ``code`` on ``ranks`` (all by default); yield events, ending with ``CellEnd``.
 
@@ -742,7 +749,8 @@ class Pool:
         KeyboardInterrupt while waiting); ``timeout`` seconds behave the same.
         Rich output (``display``, figures) comes from ``display_ranks`` (rank 0
         by default). With ``tick``, a ``Tick`` is yielded after that many
-        seconds without any other event.
+        seconds without any other event. With ``script``, that file runs as
+        ``__main__`` instead of ``code`` (see :meth:`run_script`).
         """
         self._ensure_running()
         targets = sorted(set(range(self.world_size) if ranks is None else ranks))
@@ -763,6 +771,7 @@ class Pool:
                 want_values,
                 r in shown,
                 shm=not self.attached,
+                script=script,
             )
             for r in targets
         }
@@ -806,6 +815,8 @@ class Pool:
                 self._teardown(keep_launcher=True)
         if sup.aborted_at is not None and not self._lost:
             yield from self._reform(sup, out)
+        elif any(d.needs_group for d in out.done.values()) and not self._lost:
+            yield from self._reform(sup, out, quiet=True)  # the cell destroyed the group
         if sup.stacks_at_interrupt:
             self.last_stacks = dict(sup.stacks_at_interrupt)
         yield out.end(sup, notes + self._take_notes())
@@ -877,6 +888,9 @@ class Pool:
             place = sup.stacks(rank, msg.frames, time.monotonic())
             if place is not None:
                 yield P.RankWhere(rank, S.summary(place.frames), sup.waiting_in(rank), place.since)
+        elif isinstance(msg, P.StorePort):  # a script formed the group again, mid-cell
+            self._store_port = msg.port
+            self._send([o for o in self._ranks if o != 0], P.JoinGroup(msg.port))
         elif isinstance(msg, P.Display):
             yield P.RankDisplay(rank, msg.data, msg.metadata)
         elif isinstance(msg, P.Progress):
@@ -892,7 +906,7 @@ class Pool:
 
     # ------------------------------------------------------------ failures
 
-    def _reform(self, sup: CellSupervisor, out: _Outcome):
+    def _reform(self, sup: CellSupervisor, out: _Outcome, quiet: bool = False):
         """Every rank joins a new group; namespaces stay. Fall back to a restart."""
         t0 = time.monotonic()
         self._store_port = None
@@ -911,6 +925,8 @@ class Pool:
             return
         backlog, self._backlog = self._backlog, []
         yield from backlog
+        if quiet:
+            return
         stopped = [r for r in out.done if r not in sup.aborted_running]
         waits = sorted({w for r in sup.aborted_running if (w := sup.waiting_in(r))})
         how = f"waiting in {', '.join(waits)}" if waits else "maybe in a collective"
@@ -989,6 +1005,19 @@ class Pool:
             self._interrupt_request = self._interrupt_request or "interrupt"
             with contextlib.suppress(BlockingIOError):
                 os.write(self._wake_w, b"!")
+
+    def run_script(
+        self, path: str, argv: list[str] | tuple[str, ...] = (), *, keep: bool = False, **kwargs
+    ) -> Iterator[object]:
+        """Run a torchrun script unchanged on the ranks, as :meth:`run` runs a cell.
+
+        The file is read here and runs as ``__main__`` in a module of its own, with
+        ``sys.argv`` set; with ``keep``, its globals stay in each rank's namespace.
+        """
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        script = P.Script(os.path.abspath(path), source, tuple(argv), keep)
+        return self.run("", script=script, **kwargs)
 
     def execute(self, code: str, **kwargs) -> list[object]:
         """Run ``code`` and return the last expression's value by rank; raise on failure.

@@ -57,6 +57,7 @@ __all__ = [
     "Ready",
     "Reform",
     "Run",
+    "Script",
     "Shutdown",
     "StackQuery",
     "Stacks",
@@ -138,6 +139,7 @@ class Done:
     files: tuple[str, ...] = ()  # shared-memory files ``value`` refers to (the notebook removes)
     names: tuple[str, ...] | None = None  # the rank's global names, when they changed
     freed: bool = False  # the group was aborted under this rank during the cell
+    needs_group: bool = False  # the cell destroyed the default group: re-form it
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,16 @@ class JoinGroup:
 
 
 @dataclass(frozen=True)
+class Script:
+    """A torchrun script run unchanged: its source (read in the notebook), as ``__main__``."""
+
+    path: str
+    source: str
+    argv: tuple[str, ...] = ()
+    keep: bool = False  # its globals join the rank's namespace afterwards
+
+
+@dataclass(frozen=True)
 class Run:
     cell: int
     code: str
@@ -189,6 +201,7 @@ class Run:
     want_value: bool = False
     display: bool = False  # send rich output (display(), figures) from this rank
     shm: bool = True  # the notebook shares this rank's /dev/shm: big values come back there
+    script: Script | None = None  # run this file as __main__ instead of ``code``
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from . import payload, rich
 from . import protocol as P
 from . import stacks as S
-from .ddp import DDPContext, default_backend
+from .ddp import DDPContext, default_backend, differences, threads_for
 
 __all__ = ["Worker", "main", "run_code"]
 
@@ -70,10 +70,17 @@ def run_code(code: str, filename: str, namespace: dict) -> object:
     return eval(compile(last, filename, "eval"), namespace)
 
 
-def error_info(exc: BaseException) -> P.ErrorInfo:
-    """The exception as data, its traceback cut to the frames of the user's code."""
+def error_info(exc: BaseException, entry: str | None = None) -> P.ErrorInfo:
+    """The exception as data, its traceback cut to the frames of the user's code.
+
+    The user's code starts at a cell's frame, or at the script file ``entry``.
+    """
     tb = exc.__traceback__
-    while tb is not None and not tb.tb_frame.f_code.co_filename.startswith(CELL_PREFIX):
+
+    def users(filename: str) -> bool:
+        return filename.startswith(CELL_PREFIX) or filename == entry
+
+    while tb is not None and not users(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     try:
         message = str(exc)
@@ -87,6 +94,30 @@ def error_info(exc: BaseException) -> P.ErrorInfo:
     return P.ErrorInfo(
         type(exc).__qualname__, message, text, time.time(), S.collective(where) or ""
     )
+
+
+def run_script(script: P.Script, namespace: dict) -> None:
+    """Run a torchrun script as ``__main__`` in a module of its own, ``sys.argv`` set.
+
+    ``sys.exit(0)`` (or ``None``) ends it as a success, as under torchrun. With
+    ``keep``, its globals join ``namespace`` afterwards, even when it failed.
+    """
+    path = os.path.abspath(script.path)
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=path, __builtins__=builtins, __cached__=None)
+    linecache.cache[path] = (len(script.source), None, script.source.splitlines(True), path)
+    saved = sys.argv, sys.modules["__main__"], list(sys.path)
+    sys.argv, sys.modules["__main__"] = [path, *script.argv], module
+    sys.path.insert(0, os.path.dirname(path))  # as python does for a script
+    try:
+        exec(compile(script.source, path, "exec"), module.__dict__)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+    finally:
+        sys.argv, sys.modules["__main__"], sys.path[:] = saved
+        if script.keep:
+            namespace.update((k, v) for k, v in module.__dict__.items() if not k.startswith("__"))
 
 
 def _traceback_frames(tb: types.TracebackType) -> tuple[S.Frame, ...]:
@@ -249,6 +280,8 @@ class Worker:
         self.cell: int | None = None  # the cell the main thread runs
         self.abort_cell: int | None = None  # the group was aborted during this cell
         self.group_sockets: dict[int, int] = {}  # the default group's sockets: fd -> inode
+        self.joining = False  # nbddp itself is forming the group (the shims step aside)
+        self.ctx: DDPContext | None = None
         self.main_ident = threading.get_ident()
         self.ship_dir: str | None = None  # where big values go back to the notebook
         self._reported_names: frozenset[str] = frozenset()
@@ -365,6 +398,13 @@ class Worker:
         return ctx
 
     def _init_group(self, fresh: bool) -> DDPContext:
+        self.joining = True
+        try:
+            return self._form_group(fresh)
+        finally:
+            self.joining = False
+
+    def _form_group(self, fresh: bool) -> DDPContext:
         dist.set_debug_level_from_env()  # torch read it when the fork server imported it
         addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         store = None
@@ -402,12 +442,78 @@ class Worker:
             mesh=env.get("NBDDP_MESH"),
         )
         ctx.__enter__()
+        self.ctx = ctx
         self.backend, self.device = ctx.backend, str(ctx.device)
         if ctx.device.type == "cpu":  # as `accelerate launch --cpu` says: CPU ranks, not one
             os.environ.setdefault("ACCELERATE_USE_CPU", "true")
         if self.namespace:  # a re-form: the new group's subgroups and mesh replace the old
             self.namespace.update(_layout(ctx))
         return ctx
+
+    # -- torchrun scripts, unchanged
+
+    def _install_shims(self) -> None:
+        """``init_process_group`` as a torchrun script expects it.
+
+        With the pool's group up, a compatible call goes on with it and an
+        incompatible one says what differs; after the script destroyed the group
+        (``destroy_process_group`` is torch's own), it is formed again, through the
+        notebook, on a new store. A cell that ends with the group destroyed gets
+        it re-formed by the pool (``Done.needs_group``).
+        """
+        c10d = dist.distributed_c10d
+        real_init = c10d.init_process_group
+
+        def init_process_group(
+            backend=None,
+            init_method=None,
+            timeout=None,
+            world_size=-1,
+            rank=-1,
+            store=None,
+            group_name="",
+            pg_options=None,
+            device_id=None,
+            **kwargs,
+        ):
+            if self.joining:
+                return real_init(
+                    backend,
+                    init_method,
+                    timeout,
+                    world_size,
+                    rank,
+                    store,
+                    group_name,
+                    pg_options,
+                    device_id,
+                    **kwargs,
+                )
+            if not dist.is_initialized():
+                self._join_group(fresh=True)
+                return None
+            ctx = self.ctx
+            found = differences(
+                ctx.backend,
+                ctx.world_size,
+                ctx.rank,
+                ctx.device,
+                backend,
+                world_size,
+                rank,
+                device_id,
+            )
+            if found:
+                raise ValueError(
+                    "init_process_group: this rank is already in the pool's process group, "
+                    f"and the call asks for {'; '.join(found)} (restart the pool to match: "
+                    "%ddp start ...)"
+                )
+            return None
+
+        init_process_group.__doc__ = real_init.__doc__
+        for module in (dist, c10d):
+            module.init_process_group = init_process_group
 
     def _abort_group(self) -> None:
         """Abort the default group: peers blocked in a collective with this rank are freed."""
@@ -458,11 +564,17 @@ class Worker:
                 self._bind(payload.loads(msg.needs), overwrite=True)
             if msg.auto:
                 self._bind(payload.loads(msg.auto), overwrite=False)
-            value = run_code(msg.code, filename, self.namespace)
+            if msg.script is not None:
+                run_script(msg.script, self.namespace)
+            else:
+                value = run_code(msg.code, filename, self.namespace)
         except KeyboardInterrupt:
             status = "interrupted"
         except BaseException as exc:  # SystemExit too: as in IPython, the process stays
-            status, error = "error", error_info(exc)
+            status, error = (
+                "error",
+                error_info(exc, msg.script and os.path.abspath(msg.script.path)),
+            )
         finally:
             self.running = False
         if self.abort_cell == msg.cell:  # freed from a collective, or done meanwhile:
@@ -471,7 +583,9 @@ class Worker:
         self._end_streams(msg.cell)
         done = self._done(msg, status, value, error)
         freed = self.abort_cell == msg.cell
-        self.send(dataclasses.replace(done, names=self._changed_names(), freed=freed))
+        lost = not dist.is_initialized()  # the cell destroyed it: the pool forms a new one
+        done = dataclasses.replace(done, freed=freed, needs_group=lost)
+        self.send(dataclasses.replace(done, names=self._changed_names()))
 
     def _changed_names(self) -> tuple[str, ...] | None:
         """The rank's own names (not those still bound to notebook objects), if changed."""
@@ -552,8 +666,21 @@ class Worker:
         os.write(1, marker)
         os.write(2, marker)
 
+    def _apply_threads(self) -> None:
+        """Intra-op threads as torchrun sets them (torch was imported before the env var)."""
+        n = threads_for(
+            self.local_world_size,
+            os.environ.get("NBDDP_THREADS"),
+            os.environ.get("OMP_NUM_THREADS"),
+        )
+        if n is not None:
+            os.environ["OMP_NUM_THREADS"] = str(n)
+            torch.set_num_threads(n)
+
     def serve(self) -> int:
         self.main_ident = threading.get_ident()
+        self._apply_threads()
+        self._install_shims()
         signal.signal(signal.SIGINT, self._on_sigint)
         rich.attach(self.send)
         self._hello()
