@@ -38,8 +38,9 @@ def test_cell_failed_names_every_rank_first_failure_first():
 
 
 def test_interrupted_cells_say_why():
-    assert str(CellInterrupted("timeout", notes=["n"])) == "cell timed out\nn"
-    assert str(CellInterrupted("interrupt")) == "cell interrupted"
+    timeout = "cell timed out (the ranks got a KeyboardInterrupt)"
+    assert str(CellInterrupted("timeout", notes=["n"])) == f"{timeout}\nn"
+    assert str(CellInterrupted("interrupt")) == "cell interrupted (KeyboardInterrupt)"
 
 
 def test_ranks_on_several_hosts_are_named_with_their_host():
@@ -100,7 +101,7 @@ def test_an_interrupted_cell_says_where_each_rank_was_grouped():
     sleep = ((cell, 7, "<module>", "time.sleep(100)"),)
     err = CellInterrupted("interrupt", stacks={0: reduce, 1: reduce, 2: reduce, 3: sleep})
     assert str(err).splitlines() == [
-        "cell interrupted",
+        "cell interrupted (KeyboardInterrupt)",
         "where the ranks were:",
         "ranks 0-2: all_reduce, cell line 5: dist.all_reduce(t)",
         "rank 3: cell line 7: time.sleep(100)",

@@ -203,10 +203,15 @@ class CellInterrupted(CellFailed):
             return []
         return ["where the ranks were:", *S.format_groups(self.stacks, full=full)]
 
+    @property
+    def head(self) -> str:
+        """Names KeyboardInterrupt, which is what people (and tools) look for."""
+        if self.reason == "timeout":
+            return "cell timed out (the ranks got a KeyboardInterrupt)"
+        return "cell interrupted (KeyboardInterrupt)"
+
     def _message(self) -> str:
-        head = "cell timed out" if self.reason == "timeout" else "cell interrupted"
-        return "\n".join([head, *self._where(full=False), *self.notes])
+        return "\n".join([self.head, *self._where(full=False), *self.notes])
 
     def _render_traceback_(self) -> list[str]:
-        head = "cell timed out" if self.reason == "timeout" else "cell interrupted"
-        return [f"{type(self).__name__}: {head}", *self._where(full=True), *self.notes]
+        return [f"{type(self).__name__}: {self.head}", *self._where(full=True), *self.notes]

@@ -457,8 +457,8 @@ class Worker:
 
         With the pool's group up, a compatible call goes on with it and an
         incompatible one says what differs; after the script destroyed the group
-        (``destroy_process_group`` is torch's own), it is formed again, through the
-        notebook, on a new store. A cell that ends with the group destroyed gets
+        (``destroy_process_group``), it is formed again, through the notebook, on a
+        new store. A cell that ends with the group destroyed gets
         it re-formed by the pool (``Done.needs_group``).
         """
         c10d = dist.distributed_c10d
@@ -511,9 +511,20 @@ class Worker:
                 )
             return None
 
+        real_destroy = c10d.destroy_process_group
+
+        def destroy_process_group(group=None):
+            # gloo's worker threads drop finished work under the GIL; a group freed later
+            # (with its DDP model) joins them while holding the GIL, and would wait forever
+            # for one still dropping work (torch; under torchrun the process exits instead).
+            time.sleep(0.05)  # releases the GIL: they finish now
+            return real_destroy(group)
+
         init_process_group.__doc__ = real_init.__doc__
+        destroy_process_group.__doc__ = real_destroy.__doc__
         for module in (dist, c10d):
             module.init_process_group = init_process_group
+            module.destroy_process_group = destroy_process_group
 
     def _abort_group(self) -> None:
         """Abort the default group: peers blocked in a collective with this rank are freed."""
@@ -744,6 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-file", help="file holding the pool's token (else $NBDDP_TOKEN)")
     parser.add_argument("--connect-timeout", type=float, default=60.0)
     args = parser.parse_args(argv)
+    sys.argv = [sys.argv[0]]  # a cell calling a script's main() parses no worker options
     _extend_sys_path()
     token = _read_token(args.token_file)
     try:
