@@ -192,3 +192,38 @@ def test_start_with_options_and_unload_stops_everything(shell, run):
     run("%load_ext nbddp")
     result, out = run("%ddp status")
     assert "no pool is running" in out
+
+
+def test_ddp_run_runs_a_torchrun_script_and_keep_leaves_its_globals(shell, run, tmp_path):
+    script = tmp_path / "tiny.py"
+    script.write_text(
+        "import sys\nimport torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "result = dist.get_rank() * int(sys.argv[1])\n"
+        "print('argv', sys.argv[1:], 'rank', dist.get_rank())\n"
+        "dist.destroy_process_group()\n"
+    )
+    run("%%ddp -n 2\npass")
+    result, out = run(f"%ddp run --keep {script} 5 --flag")
+    assert result.success, out
+    assert "[rank 1] argv ['5', '--flag'] rank 1" in out
+    assert run("%%ddp --out r\nresult")[0].success and shell.user_ns["r"] == [0, 5]
+    result, out = run(f"%ddp run --ranks 0,1 {tmp_path / 'missing.py'}")
+    assert not result.success and "no such script" in out and out.count("\n") <= 2
+
+
+def test_need_takes_names_separated_by_commas_and_spaces(shell, run):
+    run("a1, b1, c1 = 1, 2, 3")
+    result, out = run("%%ddp -n 2 --no-auto --need a1,b1 c1 --out s\na1 + b1 + c1")
+    assert result.success, out
+    assert shell.user_ns["s"] == [6, 6]
+
+
+def test_start_with_threads(shell, run):
+    result, out = run("%ddp start -n 2 --threads 2")
+    assert result.success, out
+    assert run("%%ddp --out t\ntorch.get_num_threads()")[0].success
+    assert shell.user_ns["t"] == [2, 2]
+    result, out = run("%ddp start -n 2 --threads many")
+    assert not result.success and "threads" in out
+    run("%ddp start -n 2")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import shlex
 import symtable
 import textwrap
@@ -167,7 +168,8 @@ def export(
         opts = _ddp_options(first[len("%%ddp") :])
         if opts.n:
             sizes.append(opts.n)
-        code = "\n".join(filter(None, [opts.imports.replace(";", "\n").strip(), rest]))
+        stmts = [part.strip() for part in re.split(r"[;\n]", opts.imports) if part.strip()]
+        code = "\n".join([*stmts, rest]) if stmts else rest
         try:
             read = globals_read(code)
         except SyntaxError as exc:
