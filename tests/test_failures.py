@@ -70,6 +70,14 @@ CASES = [
         freed=True,
     ),
     Case(
+        "raise before a collective on a subgroup made in the cell",
+        HEAD + "g = dist.new_group(list(range(world_size)))\nif rank == BAD:\n"
+        "    raise ValueError('subgroup')\ndist.all_reduce(t, group=g)",
+        r"rank BAD: ValueError: subgroup",
+        True,
+        freed=True,
+    ),
+    Case(
         "raise after the collectives",
         HEAD + "dist.all_reduce(t)\nif rank == BAD:\n    raise ValueError('after')",
         r"rank BAD: ValueError: after",
@@ -262,6 +270,34 @@ def test_a_collective_failure_says_the_group_was_re_formed(pool):
     (note,) = end.notes
     assert "rank 1 had stopped while rank 0 still ran (waiting in barrier)" in note
     assert "re-formed" in note and "kept its namespace" in note and "DDP models" in note
+
+
+@pytest.mark.timeout(60)
+def test_ranks_an_abort_cannot_free_are_stopped_after_grace_not_left_hanging():
+    """The last resort: a collective the abort does not reach (here, both ways of
+    aborting are disabled in the ranks) ends the cell ``grace`` s after the abort,
+    the state lost."""
+    n, bad = 4, 2
+    with Pool(n, grace=1.0) as pool:
+        pool.execute(
+            "import torch.distributed as dist, nbddp.worker as W\n"
+            "W.shut_down_sockets = lambda sockets, keep: 0\n"
+            "W.Worker._abort_group = lambda self: None"
+        )
+        code = HEAD + f"if rank == {bad}:\n    raise ValueError('x')\ndist.all_reduce(t)"
+        t0 = time.monotonic()
+        _, _, end = collect(pool.run(code))
+        assert time.monotonic() - t0 < 30  # would hang without the last resort
+        with pytest.raises(CellFailed) as failed:
+            raise_for_end(end)
+        assert str(failed.value).startswith(f"rank {bad}: ValueError: x")
+        assert any(
+            "ranks 0, 1, 3 still ran 1 s after the process group was aborted" in note
+            and "state is lost" in note
+            for note in end.notes
+        ), end.notes
+        assert pool.needs_restart
+        assert pool.execute("rank") == list(range(n))  # the next cell: a new pool
 
 
 def test_the_waiting_place_of_a_long_collective_is_sampled_for_the_dashboard(pool):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 
 from helpers import collect
 from nbddp import Pool
@@ -164,10 +165,12 @@ def test_what_a_script_reads_from_torchrun_gives_torchruns_answers(sized_pool):
         "import os, torch.distributed as dist\n"
         "(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_WORLD_SIZE'],\n"
         " os.environ['OMP_NUM_THREADS'], torch.get_num_threads(),\n"
-        " dist.get_default_backend_for_device(torch.device('cpu')), dist.get_backend())"
+        " dist.get_default_backend_for_device(torch.device('cpu')), dist.get_backend(),\n"
+        " torch.accelerator.is_available())"
     )
     got = pool.execute(code)
-    assert got == [(str(r), str(n), str(n), "1", 1, "gloo", "gloo") for r in range(n)]
+    accel = torch.accelerator.is_available()  # what a process on this host sees
+    assert got == [(str(r), str(n), str(n), "1", 1, "gloo", "gloo", accel) for r in range(n)]
 
 
 def test_threads_can_be_set_per_pool():

@@ -60,6 +60,7 @@ from .errors import (
     RankDied,
     RankFailed,
     describe_exit,
+    root_causes,
 )
 from .launch import START_METHODS, Launcher, make_launcher
 from .supervisor import CellSupervisor
@@ -239,6 +240,7 @@ class Pool:
         self._authed: queue.SimpleQueue = queue.SimpleQueue()  # (conn, hello) from handshakes
         self._ranks: dict[int, _Rank] = {}
         self._store_port: int | None = None
+        self._generation = 0  # re-forms of the group, named in the ranks' shared store
         self._backlog: list[P.Output] = []
         self._cells = itertools.count(1)
         self._lost = False  # a rank died: the next use restarts and says state was lost
@@ -819,7 +821,13 @@ class Pool:
             yield from self._reform(sup, out, quiet=True)  # the cell destroyed the group
         if sup.stacks_at_interrupt:
             self.last_stacks = dict(sup.stacks_at_interrupt)
-        yield out.end(sup, notes + self._take_notes())
+        end = out.end(sup, notes + self._take_notes())
+        if not end.interrupted:  # a rank a peer's failure broke shows as freed, not red
+            _, consequences = root_causes(failures_of(end))
+            for f in consequences:
+                if f.rank not in end.freed:
+                    yield P.RankState(f.rank, "freed")
+        yield end
 
     def _take_notes(self) -> list[str]:
         notes, self.notes = self.notes, []
@@ -910,9 +918,10 @@ class Pool:
         """Every rank joins a new group; namespaces stay. Fall back to a restart."""
         t0 = time.monotonic()
         self._store_port = None
+        self._generation += 1
         for r in self._ranks.values():
             r.state = "starting"
-            r.send(P.Reform())
+            r.send(P.Reform(self._generation))
         try:
             self._handshake(t0 + 60.0)
         except PoolStartError as exc:
@@ -973,6 +982,14 @@ class Pool:
         if action.reason == "death":
             self.notes.append(
                 "the process group lost a member, so the pool was stopped; "
+                "the next cell starts a new one (the ranks' state is lost)"
+            )
+        elif action.reason == "abort":
+            stuck = list(action.ranks)
+            self.notes.append(
+                f"{S.rank_set(stuck)} still ran {self.grace:g} s after the process group was "
+                "aborted (blocked in a collective the abort did not reach) and "
+                f"{'were' if len(stuck) > 1 else 'was'} stopped with the rest of the pool; "
                 "the next cell starts a new one (the ranks' state is lost)"
             )
         else:
@@ -1116,11 +1133,8 @@ class _Outcome:
         )
 
 
-def raise_for_end(end: P.CellEnd, hosts: dict[int, str] | None = None) -> None:
-    """Raise the one error that says how the cell failed, if it did: the root cause first.
-
-    With ``hosts`` (a pool on several hosts), each rank is named with its host.
-    """
+def failures_of(end: P.CellEnd, hosts: dict[int, str] | None = None) -> list:
+    """Every rank's error and unexpected exit in a cell's end, as error objects."""
     host = (hosts or {}).get
     failures: list = [RankFailed.from_info(r, e, host(r, "")) for r, e in end.errors.items()]
     failures += [
@@ -1128,6 +1142,15 @@ def raise_for_end(end: P.CellEnd, hosts: dict[int, str] | None = None) -> None:
         for r, x in end.exits.items()
         if not x.stopped_by_pool
     ]
+    return failures
+
+
+def raise_for_end(end: P.CellEnd, hosts: dict[int, str] | None = None) -> None:
+    """Raise the one error that says how the cell failed, if it did: the root cause first.
+
+    With ``hosts`` (a pool on several hosts), each rank is named with its host.
+    """
+    failures = failures_of(end, hosts)
     if end.interrupted:
         raise CellInterrupted(end.interrupted, failures, list(end.notes), end.stacks)
     if failures:

@@ -228,7 +228,13 @@ class StackQuery:
 
 @dataclass(frozen=True)
 class Reform:
-    """Form a new default process group (rank 0 opens a new store), keeping the namespace."""
+    """Form a new default process group, keeping the namespace.
+
+    ``generation`` names it in the store the ranks already share, so a re-form
+    opens no new store connection.
+    """
+
+    generation: int = 0
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,16 @@ The cell::
     a rank ends badly (error, interrupt, death) while others still run, at t
         -> their stacks are sampled every SAMPLE_FAST s
         -> the group is aborted on every rank (the whole group: no rule depends on
-           which peer a blocked rank talks to) at t + abort_after, or at once when
-           every running rank is seen waiting in a collective
+           which peer a blocked rank talks to) at t + abort_after, or as soon as
+           every running rank has been seen waiting in a collective for SETTLE s
+           (a rank seen there once may be finishing a collective the failed rank
+           took part in: on a busy machine it is scheduled late, not blocked)
+        -> ranks still waiting in a collective grace s after the abort did not come
+           free (a group nbddp could not reach): stop the pool
     interrupt (stop button, Ctrl-C) or --timeout, at t
         -> stacks are taken (where each rank was), then SIGINT to the running ranks
-        -> abort at t + grace/2, or at once when a rank has ended and every
-           running rank waits in a collective
+        -> abort at t + grace/2, or sooner when a rank has ended and every
+           running rank has waited SETTLE s in a collective
         -> at t + grace the ranks still running are stuck in C: stop the pool
     a rank dies
         -> stop the other ranks at once: the group lost a member for good
@@ -40,6 +44,7 @@ __all__ = ["Action", "CellSupervisor"]
 
 SAMPLE_EVERY = 2.0  # stacks of a long-running cell, for the dashboard
 SAMPLE_FAST = 0.1  # stacks after a failure, to abort as soon as the others wait
+SETTLE = 0.2  # seen waiting in the same collective this long after a failure: blocked
 
 ENDED = ("ok", "failed", "interrupted", "dead", "stopped")
 
@@ -202,12 +207,24 @@ class CellSupervisor:
             return None
         trigger = self.triggered_at
         some_ended = any(p != "running" for p in self.phase.values())
-        if some_ended and all(
-            r in self.where and self.where[r].taken >= trigger and self.waiting_in(r)
-            for r in running
-        ):
+        if some_ended and all(self._blocked(r, trigger) for r in running):
             return now  # every rank left waits in a collective that cannot complete
         return min(times)
+
+    def _still_blocked_after_abort(self, now: float) -> bool:
+        if self.aborted_at is None or now < self.aborted_at + self.grace:
+            return False
+        return any(self._blocked(r, self.aborted_at) for r in self.running)
+
+    def _blocked(self, rank: int, after: float) -> bool:
+        """Seen since ``after``, waiting in the same collective for SETTLE s or more."""
+        w = self.where.get(rank)
+        return (
+            w is not None
+            and w.taken >= after
+            and w.taken - w.since >= SETTLE
+            and collective(w.frames) is not None
+        )
 
     def due(self, now: float) -> list[Action]:
         """Everything that must happen by ``now``, in order."""
@@ -219,13 +236,16 @@ class CellSupervisor:
         if self.interrupt_at is not None and now >= self.interrupt_at + self.grace:
             self._stop(self.interrupted or "interrupt", now)
             return actions + self._take_pending()
+        if self._still_blocked_after_abort(now):
+            self._stop("abort", now)
+            return actions + self._take_pending()
         abort_at = self._abort_at(now)
         if abort_at is not None and now >= abort_at:
             self.aborted_at, self.aborted_running = now, tuple(self.running)
             actions.append(Action("abort", self.aborted_running))
         if now >= self._next_sample and self.running:
             fast = self.first_failure is not None or self.interrupt_at is not None
-            fast = fast and self.aborted_at is None
+            fast = fast and (self.aborted_at is None or now < self.aborted_at + self.grace)
             self._next_sample = now + (SAMPLE_FAST if fast else SAMPLE_EVERY)
             actions.append(Action("stacks", tuple(self.running)))
         return actions
@@ -244,6 +264,8 @@ class CellSupervisor:
             times.append(self.started + self.timeout)
         if self.interrupt_at is not None:
             times.append(self.interrupt_at + self.grace)
+        if self.aborted_at is not None and self.running and self.interrupt_at is None:
+            times.append(self.aborted_at + self.grace)
         if self.aborted_at is None and self.running:
             if self.first_failure is not None:
                 times.append(self.first_failure[0] + self.abort_after)

@@ -281,6 +281,7 @@ class Worker:
         self.abort_cell: int | None = None  # the group was aborted during this cell
         self.group_sockets: dict[int, int] = {}  # the default group's sockets: fd -> inode
         self.joining = False  # nbddp itself is forming the group (the shims step aside)
+        self.base_store: dist.Store | None = None  # the first group's store, kept for re-forms
         self.ctx: DDPContext | None = None
         self.main_ident = threading.get_ident()
         self.ship_dir: str | None = None  # where big values go back to the notebook
@@ -338,7 +339,7 @@ class Worker:
         if self.backend == "nccl":
             self._abort_group()
         else:
-            shut_down_sockets(self.group_sockets, _store_port())
+            shut_down_sockets(dict(self.group_sockets), _store_port())
 
     def _on_sigint(self, signum: int, frame: object) -> None:
         if self.running:
@@ -384,31 +385,37 @@ class Worker:
         sys.stdout = _LineWriter(1, "<stdout>")
         sys.stderr = _LineWriter(2, "<stderr>")
 
-    def _join_group(self, fresh: bool = False) -> DDPContext:
+    def _join_group(self, fresh: bool = False, generation: int | None = None) -> DDPContext:
         """Join the default group; ``fresh``: on a new store even under torchrun.
 
-        The sockets the group opens are remembered, so that a collective blocked
-        on them can be freed from another thread (:meth:`_abort_running`).
+        With ``generation`` (a re-form the pool asked for), the group is formed under
+        that prefix in the store the first group used: no new connection, so no
+        reverse DNS lookup (torch does one per store connection, and a lost DNS
+        reply costs 5 s). The sockets the group opens are remembered, so that a
+        collective blocked on them can be freed from another thread
+        (:meth:`_abort_running`).
         """
         before = _open_sockets()
-        ctx = self._init_group(fresh)
+        ctx = self._init_group(fresh, generation)
         self.group_sockets = {
             fd: ino for fd, ino in _open_sockets().items() if before.get(fd) != ino
         }
         return ctx
 
-    def _init_group(self, fresh: bool) -> DDPContext:
+    def _init_group(self, fresh: bool, generation: int | None) -> DDPContext:
         self.joining = True
         try:
-            return self._form_group(fresh)
+            return self._form_group(fresh, generation)
         finally:
             self.joining = False
 
-    def _form_group(self, fresh: bool) -> DDPContext:
+    def _form_group(self, fresh: bool, generation: int | None) -> DDPContext:
         dist.set_debug_level_from_env()  # torch read it when the fork server imported it
         addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         store = None
-        if self.needs_port or fresh:
+        if generation is not None and self.base_store is not None:
+            store = dist.PrefixStore(f"nbddp-reform-{generation}", self.base_store)
+        elif self.needs_port or fresh:
             if self.rank == 0:
                 # bound here, on MASTER_ADDR only: TCPStore alone would listen on every
                 # interface. The store owns the socket from now on (and closes it).
@@ -443,6 +450,8 @@ class Worker:
         )
         ctx.__enter__()
         self.ctx = ctx
+        if self.base_store is None:
+            self.base_store = store if store is not None else _default_store()
         self.backend, self.device = ctx.backend, str(ctx.device)
         if ctx.device.type == "cpu":  # as `accelerate launch --cpu` says: CPU ranks, not one
             os.environ.setdefault("ACCELERATE_USE_CPU", "true")
@@ -526,6 +535,21 @@ class Worker:
             module.init_process_group = init_process_group
             module.destroy_process_group = destroy_process_group
 
+        # Subgroups a cell makes (new_group, init_device_mesh) open sockets of their
+        # own: remembered too, so an abort frees a collective blocked on them.
+        real_helper = c10d._new_process_group_helper
+
+        def _new_process_group_helper(*args, **kwargs):
+            before = _open_sockets()
+            try:
+                return real_helper(*args, **kwargs)
+            finally:
+                self.group_sockets.update(
+                    (fd, ino) for fd, ino in _open_sockets().items() if before.get(fd) != ino
+                )
+
+        c10d._new_process_group_helper = _new_process_group_helper
+
     def _abort_group(self) -> None:
         """Abort the default group: peers blocked in a collective with this rank are freed."""
         try:
@@ -535,11 +559,11 @@ class Worker:
         except Exception:
             traceback.print_exc()
 
-    def _reform(self) -> None:
-        """A new default group on a new store; the namespace (and its stale objects) stays."""
+    def _reform(self, generation: int) -> None:
+        """A new default group; the namespace (and its stale objects) stays."""
         self._abort_group()
         try:
-            self._join_group(fresh=True)
+            self._join_group(fresh=True, generation=generation)
         except BaseException as exc:
             self.send(P.Fatal(error_info(exc)))
             self._exit(1)
@@ -712,10 +736,18 @@ class Worker:
                 self.abort_cell = msg.cell
                 self._abort_group()
             elif isinstance(msg, P.Reform):
-                self._reform()
+                self._reform(msg.generation)
 
 
 # ---------------------------------------------------------------- entry point
+
+
+def _default_store() -> dist.Store | None:
+    """The store the default group was formed on (torch keeps it; no public accessor)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
 
 
 def _store_port() -> int | None:
