@@ -166,6 +166,11 @@ class DDPContext:
             self.mesh = init_device_mesh(self.device.type, sizes, mesh_dim_names=names)
 
     def __exit__(self, *exc: object) -> None:
+        # Dropped first: a DeviceMesh still alive after destroy_process_group takes the
+        # process down at interpreter exit ("terminate called without an active
+        # exception", torch 2.13, measured 5 in 20 torchrun runs on a busy machine; 0 in 21
+        # with the mesh dropped before).
+        self.mesh, self.groups, self.group = None, [], None
         if dist.is_initialized():
             dist.destroy_process_group()
 
