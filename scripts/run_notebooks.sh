@@ -15,6 +15,14 @@ for path in sorted(Path("notebooks").glob("*.ipynb")):
     nbclient.NotebookClient(
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": "notebooks"}}
     ).execute()
+    # finished dashboards are frozen to HTML: nbclient still records the closed
+    # widgets' state, which no output refers to (JupyterLab saves live ones only)
+    views = [
+        o for c in nb.cells for o in c.get("outputs", [])
+        if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+    ]
+    if not views:
+        nb.metadata.pop("widgets", None)
     # saved outputs name files relative to the checkout, not to this machine
     text = nbformat.writes(nb).replace(here, "")
     path.write_text(text)

@@ -170,10 +170,15 @@ def test_a_rank_of_four_failing_before_a_collective_ends_the_cell_with_its_row_r
             "color", "rgb(183, 28, 28)"
         )
         assert "Loading widget" not in cell.locator(".jp-Cell-outputArea").inner_text()
-        # the "all ranks" tab interleaves both ranks, labelled
-        cell.locator(".lm-TabBar-tab", has_text="all ranks").click()
-        all_pane = cell.locator(".nbddp-pane:visible")
+        # the finished dashboard is frozen: static HTML, no widget view left
+        expect(cell.locator(".nbddp-summary")).to_have_count(1)
+        expect(cell.locator(".jupyter-widgets")).to_have_count(0)
+        # the "all ranks" log interleaves every rank, labelled
+        everyone = cell.locator("details.nbddp-log-all")
+        everyone.locator("summary").click()
         for rank in range(4):
-            expect(all_pane).to_contain_text(f"[{rank}] hello from rank {rank}")
+            expect(everyone.locator(".nbddp-pane")).to_contain_text(
+                f"[{rank}] hello from rank {rank}"
+            )
     finally:
         page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)

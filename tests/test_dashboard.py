@@ -161,9 +161,7 @@ def test_while_running_a_pane_shows_its_live_tail():
     d.handle(P.Output(0, "stdout", "".join(f"line {i}\n" for i in range(1000))))
     clock.t = 1.0
     d.handle(P.Output(0, "stdout", "more\n"))
-    assert "601 earlier lines not shown (all kept lines show when the cell ends)" in (
-        d.panes[1].value
-    )
+    assert "601 earlier lines not shown (more show when the cell ends)" in d.panes[1].value
     assert "more\n" in d.panes[1].value
 
 
@@ -185,18 +183,45 @@ def test_nbddp_progress_shows_as_a_bar_in_the_row():
     assert "width:25%" in d.table.value and "steps 25/100" in d.table.value
 
 
-def test_the_saved_output_is_the_widget_with_a_static_summary_beside_it():
+def test_the_live_output_is_the_widget_with_a_static_summary_beside_it():
     d, _ = dashboard()
+    d.handle(P.Output(0, "stdout", "hello from 0\n"))
+    bundle = d.bundle()
+    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == d.widget.model_id
+    assert "hello from 0" in bundle["text/html"]
+
+
+def test_a_finished_cell_is_frozen_to_static_html_and_its_widgets_closed():
+    from ipywidgets.widgets.widget import _instances
+
+    before = len(_instances)
+    d, _ = dashboard()
+    assert len(_instances) > before
     d.handle(P.Output(0, "stdout", "hello from 0\n"))
     d.handle(P.Output(1, "stdout", "hello from 1\n"))
     d.handle(P.RankState(1, "failed"))
     d.close(P.CellEnd(1, (0, 1), errors={1: P.ErrorInfo("E", "m", "tb")}))
-    bundle = d.bundle()
-    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == d.widget.model_id
+    assert len(_instances) == before  # nothing accumulates across cells
+    bundle = d.frozen_bundle()
+    assert set(bundle) == {"text/plain", "text/html"}  # no widget state is saved
     html = bundle["text/html"]
     assert "hello from 0" in html and "hello from 1" in html
-    assert "<details open><summary>rank 1 log" in html  # the failed rank's log is open
+    assert "[0] hello from 0" in html and "[1] hello from 1" in html  # all ranks, interleaved
+    # the failed rank's log is open, the all-ranks log closed; its row red
+    assert "<details class='nbddp-log' data-rank='1' open><summary>rank 1 log" in html
+    assert "<details class='nbddp-log nbddp-log-all'><summary>all ranks log" in html
+    assert "nbddp-row nbddp-failed' data-rank='1' style='background:#fde7e7;'" in html
     assert "rank 1: failed" in bundle["text/plain"]
+
+
+def test_a_frozen_log_keeps_its_last_lines_and_counts_the_rest():
+    d, _ = dashboard(ranks=(0,))
+    d.handle(P.Output(0, "stdout", "".join(f"line {i}\n" for i in range(1500))))
+    d.close(P.CellEnd(1, (0,)))
+    html = d.frozen_bundle()["text/html"]
+    assert "<details class='nbddp-log nbddp-log-all' open>" in html  # no failure: open
+    assert "… 500 earlier lines not shown</div>" in html
+    assert "line 499\n" not in html and "line 500\n" in html and "line 1499\n" in html
 
 
 def test_text_lines_and_rows_name_the_host_when_ranks_span_hosts():

@@ -97,9 +97,16 @@ def test_the_core_example_in_a_kernel_and_shutdown_leaves_nothing(kernel):
     # the dashboard: a widget, and beside it a static summary that holds both ranks' lines
     widget = [d for d in r.displays if "application/vnd.jupyter.widget-view+json" in d]
     assert widget and r.comm_msgs > 0
-    final = r.displays[-1]["text/html"]
-    assert "rank 0 log" in final and "rank 1 log" in final
-    assert final.count("tensor([1., 1., 1.])") >= 2
+    final = r.displays[-1]
+    assert "application/vnd.jupyter.widget-view+json" not in final  # frozen: static only
+    assert "rank 0 log" in final["text/html"] and "rank 1 log" in final["text/html"]
+    assert final["text/html"].count("tensor([1., 1., 1.])") >= 2
+    # finished dashboards are closed in the kernel: live widgets do not grow with cells
+    count = "from ipywidgets.widgets.widget import _instances as w; print(len(w))"
+    before = int(execute(kc, count).stdout)
+    for _ in range(3):
+        assert execute(kc, "%%ddp\nprint(rank)").error is None
+    assert int(execute(kc, count).stdout) == before
     r = execute(kc, "%%ddp --text\nprint(t.sum())")
     assert "[rank 0] tensor(3.)" in r.stdout and "[rank 1] tensor(3.)" in r.stdout
     execute(kc, "import torch\ndef loss(y): return (y ** 2).mean()\ndata = torch.randn(8)")

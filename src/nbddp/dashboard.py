@@ -211,7 +211,8 @@ class Dashboard:
     a bounded number of widget messages per second at any world size).
     """
 
-    LIVE_LINES = 400  # lines a pane shows while the cell runs (all kept lines at the end)
+    LIVE_LINES = 400  # lines a pane shows while the cell runs
+    FROZEN_LINES = 1000  # lines each log of a finished cell's static view keeps
 
     def __init__(
         self,
@@ -257,7 +258,8 @@ class Dashboard:
     # -- display in the notebook
 
     def bundle(self) -> dict:
-        """What the cell output holds: the live widget, with a static summary beside it."""
+        """What the cell output holds while it runs: the live widget, with a static
+        summary beside it (for front ends without widgets)."""
         return {
             "text/plain": self.summary_text(),
             "text/html": self.summary_html(),
@@ -426,11 +428,18 @@ class Dashboard:
         desc = f"{_esc(p.desc)} " if p.desc else ""
         return f"<span class='nbddp-progress'>{bar}{desc}{count}</span>"
 
-    def _pane_html(self, lines: list[tuple[str, str, str]], dropped: int, live: int | None) -> str:
+    def _pane_html(
+        self,
+        lines: list[tuple[str, str, str]],
+        dropped: int,
+        shown: int | None,
+        live: bool = True,
+    ) -> str:
+        """A scrolling log: the last ``shown`` lines (None: all kept), a note of the rest."""
         hidden = dropped
-        if live is not None and len(lines) > live:
-            hidden += len(lines) - live
-            lines = lines[-live:]
+        if shown is not None and len(lines) > shown:
+            hidden += len(lines) - shown
+            lines = lines[-shown:]
         body = "".join(
             f"<span style='color:#b71c1c'>{_esc(p + t)}</span>\n"
             if s == "stderr"
@@ -441,7 +450,7 @@ class Dashboard:
         if hidden:
             note = (
                 f"<div class='nbddp-dropped' style='color:#888'>… {hidden} earlier lines "
-                f"not shown{' (all kept lines show when the cell ends)' if live else ''}"
+                f"not shown{' (more show when the cell ends)' if live and shown else ''}"
                 "</div>"
             )
         # column-reverse keeps the scroll at the bottom: the tail is always visible
@@ -471,9 +480,27 @@ class Dashboard:
         else:
             self.status = "done"
         self.notes = list(end.notes) if end else []
-        self._render(force=True)
+        if self._handle is None:  # not shown: the widgets are all there is to read
+            self._render(force=True)
+        self.freeze()  # shown: its static rendering replaces it, no last widget update
+
+    def frozen_bundle(self) -> dict:
+        """A finished cell's output: static HTML and text, no widget state."""
+        return {
+            "text/plain": self.summary_text(),
+            "text/html": self.summary_html(self.FROZEN_LINES, all_ranks=True),
+        }
+
+    def freeze(self) -> None:
+        """Replace the live widget by its static rendering and close every widget of
+        it in the kernel: nothing accumulates across cells, in the kernel, in the
+        front ends or in the saved notebook."""
         if self._handle is not None:
-            self._handle.update(self.bundle(), raw=True)
+            self._handle.update(self.frozen_bundle(), raw=True)
+        for widget in [self.widget, self.tabs, self.header, self.table, *self.panes]:
+            for part in (widget, getattr(widget, "layout", None), getattr(widget, "style", None)):
+                if part is not None:
+                    part.close()
 
     def summary_text(self) -> str:
         lines = [f"nbddp: {len(self.ranks)} ranks, {self.status}"]
@@ -482,20 +509,32 @@ class Dashboard:
             lines.append(f"  rank {rank}: {view.state}  {view.last[:100]}")
         return "\n".join(lines)
 
-    def summary_html(self, tail: int = 20) -> str:
-        """A static view for readers without a live kernel (saved notebooks, GitHub)."""
+    def summary_html(self, tail: int = 20, all_ranks: bool = False) -> str:
+        """A static view for readers without a live kernel (saved notebooks, GitHub):
+        the header, the rows, then each rank's log (the last ``tail`` lines, a failed
+        rank's open) and, with ``all_ranks``, every rank's lines interleaved (open when
+        no rank failed, as the live view's first tab)."""
         now = self.ended or self.clock()
         parts = [self._header_html(now), self._table_html(now)]
+        failed = any(v.state in FAILED_STATES for v in self.views.values())
+        if all_ranks and self.all:
+            lines = [(f"[{r}] ", s, t) for r, s, t in self.all]
+            parts.append(
+                f"<details class='nbddp-log nbddp-log-all'{'' if failed else ' open'}>"
+                f"<summary>all ranks log ({len(self.all) + self.all_dropped} lines)</summary>"
+                + self._pane_html(lines, self.all_dropped, tail, live=False)
+                + "</details>"
+            )
         for rank in sorted(self.views):
             view = self.views[rank]
             if not view.log:
                 continue
-            n = tail * 3 if view.state in FAILED_STATES else tail
+            bad = view.state in FAILED_STATES
             lines = [("", s, t) for s, t in view.log]
             parts.append(
-                f"<details{' open' if view.state in FAILED_STATES else ''}><summary>rank {rank} "
-                f"log ({len(view.log) + view.dropped} lines)</summary>"
-                + self._pane_html(lines, view.dropped, n)
+                f"<details class='nbddp-log' data-rank='{rank}'{' open' if bad else ''}>"
+                f"<summary>rank {rank} log ({len(view.log) + view.dropped} lines)</summary>"
+                + self._pane_html(lines, view.dropped, tail * 3 if bad else tail, live=False)
                 + "</details>"
             )
         return "<div class='nbddp-summary'>" + "".join(parts) + "</div>"
