@@ -266,7 +266,10 @@ def test_mismatched_collectives_fail_at_once_with_debug(n):
 def test_a_collective_failure_says_the_group_was_re_formed(pool):
     code = "import torch.distributed as dist\nif rank == 1:\n    raise ValueError('x')\n"
     code += "dist.barrier()"
+    generation = pool.generation
     _, _, end = collect(pool.run(code))
+    # the same ranks, namespaces kept: no re-shipping of captured objects or imports
+    assert pool.generation == generation
     (note,) = end.notes
     assert "rank 1 had stopped while rank 0 still ran (waiting in barrier)" in note
     assert "re-formed" in note and "kept its namespace" in note and "DDP models" in note

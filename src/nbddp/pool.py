@@ -240,7 +240,7 @@ class Pool:
         self._authed: queue.SimpleQueue = queue.SimpleQueue()  # (conn, hello) from handshakes
         self._ranks: dict[int, _Rank] = {}
         self._store_port: int | None = None
-        self._generation = 0  # re-forms of the group, named in the ranks' shared store
+        self._reforms = 0  # re-forms of the group, each named in the ranks' shared store
         self._backlog: list[P.Output] = []
         self._cells = itertools.count(1)
         self._lost = False  # a rank died: the next use restarts and says state was lost
@@ -918,10 +918,10 @@ class Pool:
         """Every rank joins a new group; namespaces stay. Fall back to a restart."""
         t0 = time.monotonic()
         self._store_port = None
-        self._generation += 1
+        self._reforms += 1
         for r in self._ranks.values():
             r.state = "starting"
-            r.send(P.Reform(self._generation))
+            r.send(P.Reform(self._reforms))
         try:
             self._handshake(t0 + 60.0)
         except PoolStartError as exc:
