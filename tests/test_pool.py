@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 
@@ -273,3 +275,20 @@ def test_figures_are_sent_as_png_and_closed(pool):
     pngs = [ev for ev in seen if isinstance(ev, P.RankDisplay) and "image/png" in ev.data]
     assert len(pngs) == 1 and pngs[0].rank == 0
     assert end.values == {0: [], 1: []}  # every rank closed its figures
+
+
+def test_a_pool_raises_the_open_file_limit_as_far_as_it_needs():
+    """3 connections per rank: with a low soft limit, 8 ranks only fit once it is raised."""
+    code = (
+        "import os, resource\n"
+        "from nbddp import Pool\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "low = len(os.listdir('/proc/self/fd')) + 12\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))\n"
+        "with Pool(8) as pool:\n"
+        "    ranks = pool.execute('rank')\n"
+        "now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
+        "print(ranks == list(range(8)), low < now < hard or hard == resource.RLIM_INFINITY)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]

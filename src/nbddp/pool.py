@@ -335,6 +335,7 @@ class Pool:
             return self
         self._closed = False
         _LIVE_POOLS.add(self)
+        _enough_open_files(self.world_size)
         try:
             self.listen()
             self._lost = False
@@ -1131,6 +1132,24 @@ class _Outcome:
             dict(sup.stacks_at_interrupt),
             tuple(sorted(r for r, d in self.done.items() if d.freed)),
         )
+
+
+def _enough_open_files(ranks: int) -> None:
+    """Raise this process's soft limit on open files, if needed, to fit ``ranks`` more.
+
+    Each rank holds 3 connections to the notebook (control, stdout, stderr): with
+    the usual soft limit of 1024, a pool of about 340 ranks would not fit. Raised
+    toward the hard limit only as far as needed, as torchrun users raise it by hand.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = len(os.listdir("/proc/self/fd")) + 4 * ranks + 64
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
 
 
 def failures_of(end: P.CellEnd, hosts: dict[int, str] | None = None) -> list:
