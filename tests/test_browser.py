@@ -37,11 +37,12 @@ playwright = pytest.importorskip("playwright.sync_api", reason="needs playwright
 CELLS = [
     "%load_ext nbddp",
     "%%ddp -n 4\n"
-    "import sys, torch.distributed as dist\n"
+    "import sys, time, torch.distributed as dist\n"
     "print(f'hello from rank {rank}')\n"
     "print(f'a warning on rank {rank}', file=sys.stderr)\n"
     "t = torch.ones(1)\n"
     "if rank == 2:\n"
+    "    time.sleep(4)  # the live dashboard is looked at meanwhile\n"
     "    raise ValueError('rank two is unhappy')\n"
     "dist.all_reduce(t)",
 ]
@@ -149,6 +150,16 @@ def test_a_rank_of_four_failing_before_a_collective_ends_the_cell_with_its_row_r
         error = cell.locator(
             ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
         )
+        # while it runs: the live widget, a row per rank, every rank's lines in the first tab
+        live = cell.locator(".nbddp-dashboard")
+        expect(live).to_be_visible(timeout=120_000)
+        expect(live.locator(".nbddp-row")).to_have_count(4)
+        expect(live.locator(".nbddp-row.nbddp-running")).not_to_have_count(0)
+        for rank in range(4):
+            expect(live.locator(".nbddp-pane:visible")).to_contain_text(
+                f"[{rank}] hello from rank {rank}"
+            )
+        page.screenshot(path=str(ARTIFACTS / "dashboard-live.png"), full_page=True)
         expect(error).to_contain_text("rank 2: ValueError: rank two is unhappy", timeout=120_000)
         expect(error).to_contain_text(
             "ranks 0, 1, 3: freed from a collective (all_reduce) after rank 2 failed"

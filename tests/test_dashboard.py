@@ -246,3 +246,16 @@ def test_a_rank_blocked_in_a_collective_shows_what_it_waits_in_and_for_how_long(
     assert table.count("waiting in") == 1 and ">running<" in table
     board.handle(P.RankState(0, "interrupted"))
     assert "waiting in" not in board._table_html(now[0])
+
+
+def test_a_dashboard_opens_one_model_per_rank_plus_a_few():
+    """Each widget model is a comm opened with the cell and closed at its end: the HTML
+    parts share one layout and one style instead of bringing two each."""
+    from ipywidgets.widgets.widget import _instances
+
+    before = len(_instances)
+    d, _ = dashboard(ranks=tuple(range(8)))
+    opened = len(_instances) - before
+    assert opened <= 8 + 10, opened
+    d.close(P.CellEnd(1, tuple(range(8))))
+    assert len(_instances) == before

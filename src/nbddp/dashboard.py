@@ -245,9 +245,13 @@ class Dashboard:
         self._next_pane = 0
         self.renders = 0
 
-        self.header = w.HTML()
-        self.table = w.HTML()
-        self.panes = [w.HTML() for _ in range(len(self.ranks) + 1)]
+        # one layout and one style model shared by every HTML part: each model is a
+        # comm opened with the cell and closed when it ends, so fewer is cheaper
+        first = w.HTML()
+        look = {"layout": first.layout, "style": first.style}
+        self.header = first
+        self.table = w.HTML(**look)
+        self.panes = [w.HTML(**look) for _ in range(len(self.ranks) + 1)]
         self.tabs = w.Tab(children=self.panes)
         self.tabs.titles = ("all ranks", *(f"rank {r}" for r in self.ranks))
         self.widget = w.VBox([self.header, self.table, self.tabs])
@@ -497,10 +501,13 @@ class Dashboard:
         front ends or in the saved notebook."""
         if self._handle is not None:
             self._handle.update(self.frozen_bundle(), raw=True)
+        models = {}
         for widget in [self.widget, self.tabs, self.header, self.table, *self.panes]:
             for part in (widget, getattr(widget, "layout", None), getattr(widget, "style", None)):
                 if part is not None:
-                    part.close()
+                    models[id(part)] = part
+        for model in models.values():
+            model.close()
 
     def summary_text(self) -> str:
         lines = [f"nbddp: {len(self.ranks)} ranks, {self.status}"]
