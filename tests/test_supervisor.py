@@ -41,6 +41,11 @@ class FakeRanks:
     def kinds(self) -> list[str]:
         return [a.kind for a in self.log]
 
+    def step_until(self, kind: str, dt: float = SAMPLE_FAST) -> None:
+        """Step the clock by ``dt`` until the supervisor has asked for ``kind``."""
+        while kind not in self.kinds():
+            self.step(dt)
+
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_a_failure_aborts_once_every_other_rank_has_waited_settle_in_a_collective(n):
@@ -51,8 +56,8 @@ def test_a_failure_aborts_once_every_other_rank_has_waited_settle_in_a_collectiv
     failed_at = ranks.now
     actions = ranks.step(0.01)  # the stacks are asked for at once ...
     assert [a.kind for a in actions] == ["stacks"]
-    while "abort" not in ranks.kinds():  # seen once, they may still be finishing; seen
-        ranks.step(SAMPLE_FAST / 2)  # there SETTLE s later, the whole group is aborted
+    # seen once, they may still be finishing; seen there SETTLE s later, the group is aborted
+    ranks.step_until("abort", SAMPLE_FAST / 2)
     assert failed_at + SETTLE <= ranks.now < failed_at + SETTLE + 3 * SAMPLE_FAST
     assert Action("abort", tuple(r for r in range(n) if r != n - 2)) in ranks.log
     assert ranks.sup.deadline is None or ranks.sup.deadline > ranks.now
@@ -76,8 +81,7 @@ def test_ranks_still_blocked_after_the_abort_stop_the_pool_after_grace():
     ranks = FakeRanks(4, grace=3.0)
     ranks.places = {r: IN_REDUCE for r in range(4)}
     ranks.finish(2, "error")
-    while "abort" not in ranks.kinds():
-        ranks.step(SAMPLE_FAST)
+    ranks.step_until("abort")
     aborted = ranks.now
     ranks.finish(0)  # freed; 1 and 3 stay blocked
     while "stop" not in ranks.kinds():
@@ -92,8 +96,7 @@ def test_ranks_computing_after_the_abort_are_left_alone():
     ranks = FakeRanks(3, grace=3.0)
     ranks.places = {r: IN_REDUCE for r in range(3)}
     ranks.finish(1, "error")
-    while "abort" not in ranks.kinds():
-        ranks.step(SAMPLE_FAST)
+    ranks.step_until("abort")
     ranks.places = {0: IN_SLEEP, 2: IN_SLEEP}  # freed, they went on with other work
     for _ in range(60):
         ranks.step(SAMPLE_FAST)
@@ -137,8 +140,7 @@ def test_an_interrupted_rank_with_the_others_in_a_collective_aborts_early():
     ranks.places.update({0: IN_REDUCE, 1: IN_REDUCE, 3: IN_REDUCE})
     ranks.sup.interrupt("interrupt", ranks.now)
     ranks.finish(2, "interrupted")
-    while "abort" not in ranks.kinds():
-        ranks.step(SAMPLE_FAST)
+    ranks.step_until("abort")
     assert ranks.now < 100.0 + SETTLE + 3 * SAMPLE_FAST  # well before grace / 2
 
 

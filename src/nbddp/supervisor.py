@@ -223,7 +223,7 @@ class CellSupervisor:
             w is not None
             and w.taken >= after
             and w.taken - w.since >= SETTLE
-            and collective(w.frames) is not None
+            and self.waiting_in(rank) is not None
         )
 
     def due(self, now: float) -> list[Action]:
