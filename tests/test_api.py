@@ -101,7 +101,7 @@ def test_ranch_resizes_the_shared_pool_and_raises_rank_errors(capsys):
 
     with pytest.raises(CellFailed, match="rank 1: KeyError: 'nope'"):
         nbddp.ranch(2, fail)
-    assert "[rank 1] before the error" in capsys.readouterr().out
+    assert "[ranks 0-1] before the error" in capsys.readouterr().out
 
 
 def test_ranch_and_the_magics_share_one_pool():

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from nbddp import protocol as P
 from nbddp.dashboard import Dashboard, TextSink
 
@@ -51,7 +53,7 @@ def test_output_is_bounded_keeping_the_tail_and_counting_the_rest():
         "[rank 0] 8",
         "[rank 0] 9",
     ]
-    assert err.getvalue() == "[rank 0] ... 5 lines not shown ...\n"
+    assert err.getvalue() == "[nbddp] ... 5 lines not shown ...\n"
 
 
 def test_results_show_as_out():
@@ -76,6 +78,55 @@ def test_quiet_shows_the_failed_ranks_output():
     assert out.getvalue() == "[rank 1] before the error\n"
 
 
+def running(sink, ranks):
+    for rank in ranks:
+        sink.handle(P.RankState(rank, "running"))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_identical_lines_fold_and_lines_that_differ_keep_their_ranks(n):
+    sink, out, err = make()
+    running(sink, range(n))
+    for rank in range(n):
+        sink.handle(P.Output(rank, "stdout", f"epoch 1 loss 0.25\nrank {rank} is here\n"))
+    sink.handle(P.Output(0, "stderr", "a warning\n"))
+    sink.close(end())
+    assert out.getvalue().splitlines() == [
+        f"[ranks 0-{n - 1}] epoch 1 loss 0.25",
+        *(f"[rank {r}] rank {r} is here" for r in range(n)),
+    ]
+    assert err.getvalue() == "[rank 0] a warning\n"
+
+
+def test_no_fold_shows_every_ranks_line():
+    sink, out, _ = make(fold=False)
+    running(sink, range(3))
+    for rank in range(3):
+        sink.handle(P.Output(rank, "stdout", "same\n"))
+    sink.close(end())
+    assert out.getvalue().splitlines() == ["[rank 0] same", "[rank 1] same", "[rank 2] same"]
+
+
+def test_identical_results_fold_too():
+    sink, out, _ = make()
+    running(sink, range(4))
+    for rank in range(4):
+        sink.handle(P.RankResult(rank, "tensor(6.)"))
+    sink.close(end())
+    assert out.getvalue() == "[ranks 0-3] Out: tensor(6.)\n"
+
+
+def test_a_line_only_some_ranks_print_comes_out_after_the_window_on_a_tick():
+    now = [0.0]
+    sink, out, _ = make(clock=lambda: now[0])
+    running(sink, range(4))
+    sink.handle(P.Output(1, "stdout", "only rank 1\n"))
+    assert out.getvalue() == ""
+    now[0] = 0.3
+    sink.handle(P.Tick())
+    assert out.getvalue() == "[rank 1] only rank 1\n"
+
+
 # ---------------------------------------------------------------- the widget dashboard
 
 
@@ -95,74 +146,82 @@ def dashboard(ranks=(0, 1), **kw):
     return d, clock
 
 
+def start(d, ranks):
+    for rank in ranks:
+        d.handle(P.RankState(rank, "running"))
+
+
 def test_rows_show_state_elapsed_and_last_line():
     d, clock = dashboard()
-    d.handle(P.RankState(0, "running"))
-    d.handle(P.RankState(1, "running"))
+    start(d, (0, 1))
     d.handle(P.Output(0, "stdout", "epoch 1\nepoch 2\n"))
     clock.t = 1.5
     d.handle(P.RankState(0, "done"))
     d.close(P.CellEnd(1, (0, 1)))
-    assert "nbddp-row nbddp-done" in d.table.value and "nbddp-row nbddp-running" in d.table.value
-    assert "1.5 s" in d.table.value and "epoch 2" in d.table.value
-    assert "2 of 2 ranks" in d.header.value and "gloo" in d.header.value
+    rows = d.widget.rows
+    assert "nbddp-row nbddp-done" in rows and "nbddp-row nbddp-running" in rows
+    assert "1.5 s" in rows and "epoch 2" in rows
+    assert "2 of 2 ranks" in d.widget.header and "gloo" in d.widget.header
 
 
-def test_a_failed_rank_turns_red_and_its_pane_opens():
+def test_a_failed_rank_turns_red_and_its_log_opens():
     d, _ = dashboard(ranks=(0, 1, 2))
-    for r in (0, 1, 2):
-        d.handle(P.RankState(r, "running"))
+    start(d, (0, 1, 2))
     d.handle(P.Output(2, "stderr", "Traceback ...\n"))
     d.handle(P.RankState(2, "failed"))
-    d.handle(P.RankState(1, "failed"))  # the first failure keeps its pane open
+    d.handle(P.RankState(1, "failed"))  # the first failure keeps its log open
     d.close(P.CellEnd(1, (0, 1, 2), errors={2: P.ErrorInfo("E", "m", "tb")}))
-    assert d.tabs.selected_index == 3 and d.tabs.titles[3] == "rank 2"
-    row = d.table.value.split("data-rank='2'")[1].split("</tr>")[0]
+    assert d.widget.focus == 2
+    row = d.widget.rows.split("data-rank='2'")[1].split("</tr>")[0]
     assert "background:#fde7e7" in row and "#c62828" in row
-    assert "failed" in d.header.value
+    assert "failed" in d.widget.header
 
 
-def test_stdout_and_stderr_are_told_apart_and_all_ranks_interleave_with_labels():
-    d, _ = dashboard()
-    d.handle(P.Output(0, "stdout", "out0\n"))
-    d.handle(P.Output(1, "stderr", "err1\n"))
-    d.close(P.CellEnd(1, (0, 1)))
-    assert "<span style='color:#b71c1c'>err1</span>" in d.panes[2].value
-    assert "out0\n" in d.panes[1].value and "err1" not in d.panes[1].value
-    everything = d.panes[0].value
-    assert everything.index("[0] out0") < everything.index("[1] err1")
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_the_live_log_is_folded_with_rank_sets_and_streams_told_apart(n):
+    d, clock = dashboard(ranks=range(n))
+    start(d, range(n))
+    for rank in range(n):
+        d.handle(P.Output(rank, "stdout", "hello\n"))
+    d.handle(P.Output(n - 1, "stderr", "err\n"))
+    clock.t = 1.0
+    d.handle(P.Tick())
+    assert d.widget.lines == [[f"0-{n - 1}", "stdout", "hello"], [str(n - 1), "stderr", "err"]]
+    d.close(P.CellEnd(1, tuple(range(n))))
 
 
-def test_renders_are_throttled_however_much_arrives():
+def test_renders_are_throttled_and_each_is_one_message_however_much_arrives():
     d, clock = dashboard(interval=0.25)
-    changes = []
-    for widget in (d.header, d.table, *d.panes):
-        widget.observe(lambda change: changes.append(change), names="value")
+    sent = []
+    d.widget.comm.send = lambda data=None, **kw: sent.append(data)  # what would go out
+    start(d, (0, 1))
     for i in range(100_000):  # 2 simulated seconds of output
         d.handle(P.Output(i % 2, "stdout", f"{i}\n"))
         clock.t += 2 / 100_000
+    renders = d.renders
+    assert renders <= 2 / 0.25 + 2
+    assert 0 < len(sent) <= renders  # hold_sync: the changed parts of a render go together
     d.close(P.CellEnd(1, (0, 1)))
-    assert d.renders <= 2 / 0.25 + 2
-    # each render sends the header, the table, the interleaved pane and one rank pane
-    assert len(changes) <= 4 * d.renders + 2
 
 
-def test_panes_keep_a_bounded_tail_and_count_what_they_dropped():
-    d, _ = dashboard(ranks=(0,), keep=100)
-    d.handle(P.Output(0, "stdout", "".join(f"line {i}\n" for i in range(250))))
-    d.close(P.CellEnd(1, (0,)))
-    pane = d.panes[1].value
-    assert "… 150 earlier lines not shown" in pane
-    assert "line 149\n" not in pane and "line 150\n" in pane and "line 249\n" in pane
-
-
-def test_while_running_a_pane_shows_its_live_tail():
+def test_the_live_log_keeps_a_bounded_tail_and_counts_the_rest():
     d, clock = dashboard(ranks=(0,))
     d.handle(P.Output(0, "stdout", "".join(f"line {i}\n" for i in range(1000))))
     clock.t = 1.0
     d.handle(P.Output(0, "stdout", "more\n"))
-    assert "601 earlier lines not shown (more show when the cell ends)" in d.panes[1].value
-    assert "more\n" in d.panes[1].value
+    assert len(d.widget.lines) == Dashboard.LIVE_LINES
+    assert d.widget.hidden == 1001 - Dashboard.LIVE_LINES
+    assert d.widget.lines[-1] == ["0", "stdout", "more"]
+    d.close(None)
+
+
+def test_a_frozen_rank_log_keeps_a_bounded_tail_and_counts_what_it_dropped():
+    d, _ = dashboard(ranks=(0,), keep=100)
+    d.handle(P.Output(0, "stdout", "".join(f"line {i}\n" for i in range(250))))
+    d.close(P.CellEnd(1, (0,)))
+    rank0 = d.summary_html(1000).split("data-rank='0'>")[-1]
+    assert "… 150 earlier lines not shown" in rank0
+    assert "line 149\n" not in rank0 and "line 150\n" in rank0 and "line 249\n" in rank0
 
 
 def test_a_progress_bar_with_carriage_returns_is_one_updating_line():
@@ -170,33 +229,38 @@ def test_a_progress_bar_with_carriage_returns_is_one_updating_line():
     d.handle(P.Output(0, "stdout", "train:  10%|#    |\r"))
     clock.t = 1.0
     d.handle(P.Output(0, "stdout", "train:  50%|##   |\r"))
-    assert "train:  50%" in d.table.value and "train:  10%" not in d.table.value
+    assert "train:  50%" in d.widget.rows and "train:  10%" not in d.widget.rows
     d.handle(P.Output(0, "stdout", "train: 100%|#####|\n"))
     d.close(P.CellEnd(1, (0,)))
-    assert d.panes[1].value.count("train:") == 1 and "100%" in d.panes[1].value
+    assert [g.text for g in d.log] == ["train: 100%|#####|"]
 
 
 def test_nbddp_progress_shows_as_a_bar_in_the_row():
     d, clock = dashboard(ranks=(0,))
     clock.t = 1.0
     d.handle(P.RankProgress(0, 25, 100, "steps"))
-    assert "width:25%" in d.table.value and "steps 25/100" in d.table.value
+    assert "width:25%" in d.widget.rows and "steps 25/100" in d.widget.rows
+    d.close(None)
 
 
 def test_the_live_output_is_the_widget_with_a_static_summary_beside_it():
     d, _ = dashboard()
     d.handle(P.Output(0, "stdout", "hello from 0\n"))
+    d.handle(P.Output(1, "stdout", "hello from 1\n"))
     bundle = d.bundle()
     assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == d.widget.model_id
     assert "hello from 0" in bundle["text/html"]
+    d.close(None)
 
 
-def test_a_finished_cell_is_frozen_to_static_html_and_its_widgets_closed():
+def test_a_finished_cell_is_frozen_to_static_html_and_its_widget_closed():
     from ipywidgets.widgets.widget import _instances
 
+    dashboard()[0].close(None)  # the one shared layout exists from now on
     before = len(_instances)
     d, _ = dashboard()
-    assert len(_instances) > before
+    assert len(_instances) == before + 1  # one model per cell
+    start(d, (0, 1))
     d.handle(P.Output(0, "stdout", "hello from 0\n"))
     d.handle(P.Output(1, "stdout", "hello from 1\n"))
     d.handle(P.RankState(1, "failed"))
@@ -205,8 +269,7 @@ def test_a_finished_cell_is_frozen_to_static_html_and_its_widgets_closed():
     bundle = d.frozen_bundle()
     assert set(bundle) == {"text/plain", "text/html"}  # no widget state is saved
     html = bundle["text/html"]
-    assert "hello from 0" in html and "hello from 1" in html
-    assert "[0] hello from 0" in html and "[1] hello from 1" in html  # all ranks, interleaved
+    assert "[0] hello from 0" in html and "[1] hello from 1" in html  # all ranks, labelled
     # the failed rank's log is open, the all-ranks log closed; its row red
     assert "<details class='nbddp-log' data-rank='1' open><summary>rank 1 log" in html
     assert "<details class='nbddp-log nbddp-log-all'><summary>all ranks log" in html
@@ -231,31 +294,57 @@ def test_text_lines_and_rows_name_the_host_when_ranks_span_hosts():
     assert out.getvalue() == "[rank 1@node-b] hi\n"
     d, _ = dashboard(hosts={0: "node-a", 1: "node-b"})
     d.close(P.CellEnd(1, (0, 1)))
-    assert "rank 1 <span style='color:#888'>node-b</span>" in d.table.value
+    assert "rank 1 <span style='color:#888'>node-b</span>" in d.widget.rows
 
 
 def test_a_rank_blocked_in_a_collective_shows_what_it_waits_in_and_for_how_long():
     now = [100.0]
     board = Dashboard([0, 1, 2], world_size=3, clock=lambda: now[0], interval=0)
-    for rank in range(3):
-        board.handle(P.RankState(rank, "running"))
+    start(board, range(3))
     board.handle(P.RankWhere(0, "all_reduce, cell line 3: dist.all_reduce(t)", "all_reduce", 88.0))
     board.handle(P.RankWhere(1, "cell line 5: time.sleep(60)", None, 99.0))
-    table = board._table_html(now[0])
-    assert "waiting in all_reduce (12 s)" in table
-    assert table.count("waiting in") == 1 and ">running<" in table
+    rows = board.widget.rows
+    assert "waiting in all_reduce (12 s)" in rows
+    assert rows.count("waiting in") == 1 and ">running<" in rows
     board.handle(P.RankState(0, "interrupted"))
-    assert "waiting in" not in board._table_html(now[0])
+    assert "waiting in" not in board.widget.rows
+    board.close(None)
 
 
-def test_a_dashboard_opens_one_model_per_rank_plus_a_few():
-    """Each widget model is a comm opened with the cell and closed at its end: the HTML
-    parts share one layout and one style instead of bringing two each."""
+@pytest.mark.parametrize("n", [17, 64, 1024])
+def test_a_large_pool_shows_counts_the_slowest_and_only_the_rows_that_differ(n):
+    d, clock = dashboard(ranks=range(n))
+    start(d, range(n))
+    for rank in range(n):
+        d.handle(P.Output(rank, "stdout", "step 1\n"))
+    clock.t = 2.0
+    for rank in range(n):
+        if rank not in (5, n - 1):
+            d.handle(P.RankState(rank, "done"))
+    clock.t = 3.0
+    d.handle(P.RankState(n - 1, "failed"))
+    clock.t = 3.5
+    d.handle(P.Tick())
+    rows = d.widget.rows
+    assert f"{n - 2} done" in rows and "1 running" in rows and "1 failed" in rows
+    assert "slowest: rank 5 (3.5 s)" in rows
+    shown = [int(r.split("'")[0]) for r in rows.split("data-rank='")[1:]]
+    assert {5, n - 1} <= set(shown) and len(shown) <= Dashboard.ROWS
+    assert d.widget.lines == [[f"0-{n - 1}", "stdout", "step 1"]]
+    d.close(P.CellEnd(1, tuple(range(n)), errors={n - 1: P.ErrorInfo("E", "m", "tb")}))
+    html = d.frozen_bundle()["text/html"]
+    assert html.count("<details class='nbddp-log' data-rank=") <= Dashboard.ROWS
+    assert len(html) < 20_000  # whatever the number of ranks
+
+
+def test_a_dashboard_is_one_model_whatever_the_number_of_ranks():
+    """Each widget model is a comm opened with the cell and closed at its end."""
     from ipywidgets.widgets.widget import _instances
 
-    before = len(_instances)
-    d, _ = dashboard(ranks=tuple(range(8)))
-    opened = len(_instances) - before
-    assert opened <= 8 + 10, opened
-    d.close(P.CellEnd(1, tuple(range(8))))
-    assert len(_instances) == before
+    dashboard()[0].close(None)
+    for n in (8, 256):
+        before = len(_instances)
+        d, _ = dashboard(ranks=tuple(range(n)))
+        assert len(_instances) - before == 1
+        d.close(P.CellEnd(1, tuple(range(n))))
+        assert len(_instances) == before

@@ -108,7 +108,7 @@ def test_the_core_example_in_a_kernel_and_shutdown_leaves_nothing(kernel):
         assert execute(kc, "%%ddp\nprint(rank)").error is None
     assert int(execute(kc, count).stdout) == before
     r = execute(kc, "%%ddp --text\nprint(t.sum())")
-    assert "[rank 0] tensor(3.)" in r.stdout and "[rank 1] tensor(3.)" in r.stdout
+    assert "[ranks 0-1] tensor(3.)" in r.stdout
     execute(kc, "import torch\ndef loss(y): return (y ** 2).mean()\ndata = torch.randn(8)")
     r = execute(kc, "%%ddp --need loss,data --out vals --text\nloss(data) + rank")
     assert r.error is None, r.text
@@ -135,11 +135,7 @@ def test_the_stop_button_interrupts_the_ranks_and_keeps_their_state(kernel):
     started = []
 
     def interrupt_once_running(reply):
-        if (
-            "[rank 0] sleeping" in reply.stdout
-            and "[rank 1] sleeping" in reply.stdout
-            and not started
-        ):
+        if "[ranks 0-1] sleeping" in reply.stdout and not started:
             started.append(time.monotonic())
             km.interrupt_kernel()
 
@@ -209,7 +205,7 @@ def test_the_hang_cases_at_four_ranks_end_with_the_root_cause_and_keep_state(ker
 
     # one rank sleeps, the others wait in all_reduce; the stop button
     def stop_when_all_ready(reply):
-        if reply.stdout.count("ready") == 4 and not km_interrupted:
+        if "[ranks 0-3] ready" in reply.stdout and not km_interrupted:
             km_interrupted.append(1)
             time.sleep(0.3)
             km.interrupt_kernel()
@@ -240,5 +236,5 @@ def test_the_hang_cases_at_four_ranks_end_with_the_root_cause_and_keep_state(ker
     )
     assert r.error["evalue"].startswith("rank 2 died (killed by SIGKILL)"), r.error["evalue"]
     r = execute(kc, "%%ddp --text\nprint('new', 'kept' in globals())")
-    assert "state was lost" in r.stdout and "[rank 0] new False" in r.stdout
+    assert "state was lost" in r.stdout and "new False" in r.stdout
     execute(kc, "%ddp stop")

@@ -32,10 +32,10 @@ def test_the_core_example_end_to_end(shell, run):
         "print(t)"
     )
     assert result.success, out
-    assert "[rank 0] tensor([1., 1., 1.])" in out and "[rank 1] tensor([1., 1., 1.])" in out
+    assert "[ranks 0-1] tensor([1., 1., 1.])" in out  # the same line from both ranks, once
 
     result, out = run("%%ddp\nprint(t.sum())")
-    assert result.success and "[rank 0] tensor(3.)" in out and "[rank 1] tensor(3.)" in out
+    assert result.success and "[ranks 0-1] tensor(3.)" in out
 
     run("import torch\ndef loss(y): return (y ** 2).mean()\ndata = torch.randn(8)")
     result, out = run("%%ddp --need loss,data --out vals\nloss(data) + rank")

@@ -1,25 +1,31 @@
 """Sinks: where a cell's events are shown. A sink renders; it never steers the pool.
 
-- :class:`Dashboard`: the ipywidgets view of a cell (front ends with widgets):
-  a header, one row per rank (state, elapsed, progress, last line), and tabs
-  with every rank's log interleaved and each rank's own. Updates are
-  throttled; logs are bounded; the saved notebook keeps a static summary.
+- :class:`Dashboard`: the live view of a cell in front ends with widgets: one
+  anywidget per cell (a header, a row per rank or, for large pools, a summary
+  with the rows that differ, and the folded log of every rank or of one).
+  Updates are throttled and send only the parts that changed; when the cell
+  ends the widget is replaced by static HTML and closed in the kernel.
 - :class:`TextSink`: ``[rank N] line`` as lines arrive (terminal IPython,
   ``--text``), or nothing unless a rank fails (``--quiet``).
 
-Both show rich output (``display`` and figures from the display ranks) in the
-cell's output, below the dashboard.
+Both fold output (:mod:`nbddp.fold`): a line several ranks print shows once as
+``[ranks 0-31] line``; ``fold=False`` shows every rank's line. Both show rich
+output (``display`` and figures from the display ranks) in the cell's output,
+below the dashboard.
 """
 
 from __future__ import annotations
 
 import html
+import itertools
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
+from pathlib import Path
 from typing import Protocol, TextIO
 
 from . import protocol as P
+from .fold import Folder, Group, rank_set
 
 __all__ = ["Dashboard", "Sink", "TextSink"]
 
@@ -34,6 +40,7 @@ STATE_COLOURS = {
     "waiting": "#b8860b",
 }
 FAILED_STATES = ("failed", "dead")
+FOLD_WINDOW = 0.25  # seconds a line waits for the same line from the other ranks
 
 
 class Sink(Protocol):
@@ -76,119 +83,166 @@ def show_rich(event: P.RankDisplay) -> None:
     display(event.data, metadata=event.metadata, raw=True)
 
 
+class _Folding:
+    """What both sinks share: each rank's partial lines, fed whole into a :class:`Folder`."""
+
+    def __init__(self, ranks, fold: bool, window: float, clock) -> None:
+        self.clock = clock
+        self.folder = Folder(ranks, window=window if fold else 0)
+        self._partial: dict[tuple[int, str], Lines] = {}
+
+    def lines(self, rank: int, stream: str) -> Lines:
+        key = (rank, stream)
+        if key not in self._partial:
+            self._partial[key] = Lines()
+        return self._partial[key]
+
+    def output(self, event: P.Output) -> list[Group]:
+        now = self.clock()
+        out = []
+        for line in self.lines(event.rank, event.stream).feed(event.text):
+            out += self.folder.feed(event.rank, event.stream, line, now)
+        return out
+
+    def add(self, rank: int, stream: str, line: str) -> list[Group]:
+        return self.folder.feed(rank, stream, line, self.clock())
+
+    def settle(self, rank: int) -> list[Group]:
+        """``rank`` ended: its unfinished lines count as lines, and nothing waits for it."""
+        out = []
+        for stream in ("stdout", "stderr"):
+            for line in self.lines(rank, stream).flush():
+                out += self.add(rank, stream, line)
+        return out + self.folder.finish(rank, self.clock())
+
+    def state(self, event: P.RankState) -> list[Group]:
+        if event.state == "running":
+            self.folder.expect(event.rank)
+            return []
+        return self.settle(event.rank)
+
+    def result_lines(self, event: P.RankResult) -> list[Group]:
+        out = []
+        for stream in ("stdout", "stderr"):  # what it printed before comes first
+            for line in self.lines(event.rank, stream).flush():
+                out += self.add(event.rank, stream, line)
+        for i, line in enumerate(event.value_repr.splitlines() or [""]):
+            out += self.add(event.rank, "stdout", f"{'Out: ' if i == 0 else '     '}{line}")
+        return out
+
+    def due(self) -> list[Group]:
+        return self.folder.due(self.clock())
+
+    def flush(self) -> list[Group]:
+        out = []
+        for (rank, stream), lines in list(self._partial.items()):
+            for line in lines.flush():
+                out += self.add(rank, stream, line)
+        return out + self.folder.flush()
+
+
 # ---------------------------------------------------------------- text
 
 
-class _RankLog:
-    """One rank's lines in one cell: the first ``head`` shown live, then a bounded tail."""
-
-    def __init__(self, head: int, tail: int) -> None:
-        self.lines = {"stdout": Lines(), "stderr": Lines()}
-        self.shown = 0
-        self.head = head
-        self.tail: deque[tuple[str, str]] = deque(maxlen=tail)
-        self.total = 0
-
-
 class TextSink:
-    """Lines as ``[rank N] text``, live; bounded; ``quiet`` holds them back unless a rank fails."""
+    """Lines as ``[rank N] text`` (folded: ``[ranks 0-3] text``), live; the first ``head``
+    folded lines as they come, then the last ``tail``; ``quiet`` holds them back unless a
+    rank fails, and then shows the failed ranks' lines."""
 
     def __init__(
         self,
         *,
         quiet: bool = False,
+        fold: bool = True,
         head: int = 5000,
         tail: int = 1000,
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
         hosts: dict[int, str] | None = None,
+        clock=time.monotonic,
+        window: float = FOLD_WINDOW,
     ) -> None:
         self.quiet = quiet
-        self._tags = {r: f"[rank {r}@{h}]" for r, h in (hosts or {}).items()}
-        self._head, self._tail = (0, head + tail) if quiet else (head, tail)
+        self.hosts = dict(hosts or {})
+        self._fold = _Folding((), fold, window, clock)
+        self._head = head
         self._out = stdout
         self._err = stderr
-        self._logs: dict[int, _RankLog] = {}
+        self._shown = 0
+        self._tail: deque[Group] = deque(maxlen=tail)
+        self._dropped = 0
+        self._held: dict[int, deque[Group]] = {}  # quiet: each rank's last lines
 
-    def _tag(self, rank: int) -> str:
-        return self._tags.get(rank) or f"[rank {rank}]"
+    def _tag(self, group: Group) -> str:
+        if len(group.ranks) == 1 and group.ranks[0] in self.hosts:
+            return f"[rank {group.ranks[0]}@{self.hosts[group.ranks[0]]}]"
+        return f"[{group.label}]"
 
     def _stream(self, name: str) -> TextIO:
         if name == "stderr":
             return self._err or sys.stderr
         return self._out or sys.stdout
 
-    def _log(self, rank: int) -> _RankLog:
-        if rank not in self._logs:
-            self._logs[rank] = _RankLog(self._head, self._tail)
-        return self._logs[rank]
-
     def handle(self, event: object) -> None:
         if isinstance(event, P.Output):
-            log = self._log(event.rank)
-            for line in log.lines[event.stream].feed(event.text):
-                self._line(event.rank, log, event.stream, line)
+            self._take(self._fold.output(event))
+        elif isinstance(event, P.RankState):
+            self._take(self._fold.state(event))
         elif isinstance(event, P.RankResult) and event.value_repr is not None and not self.quiet:
-            self._flush_partial(event.rank)
-            lines = event.value_repr.splitlines() or [""]
-            self._stream("stdout").write(
-                "".join(
-                    f"{self._tag(event.rank)} {'Out: ' if i == 0 else '     '}{line}\n"
-                    for i, line in enumerate(lines)
-                )
-            )
+            self._take(self._fold.result_lines(event))
         elif isinstance(event, P.RankDisplay) and not self.quiet:
+            self._take(self._fold.flush())  # the lines printed before it come first
             self._stream("stdout").flush()
             show_rich(event)
-
-    def _line(self, rank: int, log: _RankLog, stream: str, line: str) -> None:
-        log.total += 1
-        if log.shown < log.head:
-            log.shown += 1
-            self._stream(stream).write(f"{self._tag(rank)} {line}\n")
         else:
-            log.tail.append((stream, line))
+            self._take(self._fold.due())
 
-    def _flush_partial(self, rank: int) -> None:
-        log = self._log(rank)
-        for stream, lines in log.lines.items():
-            for line in lines.flush():
-                self._line(rank, log, stream, line)
+    def _take(self, groups: list[Group]) -> None:
+        for group in groups:
+            if self.quiet:
+                for rank in group.ranks:
+                    self._held.setdefault(rank, deque(maxlen=self._head + self._tail.maxlen))
+                    self._held[rank].append(group)
+            elif self._shown < self._head:
+                self._shown += 1
+                self._write(group)
+            else:
+                if len(self._tail) == self._tail.maxlen:
+                    self._dropped += 1
+                self._tail.append(group)
+
+    def _write(self, group: Group) -> None:
+        self._stream(group.stream).write(f"{self._tag(group)} {group.text}\n")
 
     def close(self, end: P.CellEnd | None) -> None:
-        failed = set() if end is None else set(end.errors) | set(end.exits)
-        for rank in sorted(self._logs):
-            self._flush_partial(rank)
-            log = self._logs[rank]
-            if self.quiet and rank not in failed:
-                continue
-            dropped = log.total - log.shown - len(log.tail)
-            if dropped:
-                self._stream("stderr").write(
-                    f"{self._tag(rank)} ... {dropped} lines not shown ...\n"
-                )
-            for stream, line in log.tail:
-                self._stream(stream).write(f"{self._tag(rank)} {line}\n")
-            log.tail.clear()
+        self._take(self._fold.flush())
+        if self.quiet:
+            failed = set() if end is None else set(end.errors) | set(end.exits)
+            shown = {id(g): g for r in sorted(failed) for g in self._held.get(r, ())}
+            for group in sorted(shown.values(), key=lambda g: g.seq):
+                self._write(group)
+        else:
+            if self._dropped:
+                self._stream("stderr").write(f"[nbddp] ... {self._dropped} lines not shown ...\n")
+            for group in self._tail:
+                self._write(group)
+            self._tail.clear()
         for out in (self._stream("stdout"), self._stream("stderr")):
             out.flush()
 
 
-# ---------------------------------------------------------------- widgets
+# ---------------------------------------------------------------- the live dashboard
 
 
 class _RankView:
     def __init__(self, keep: int) -> None:
-        self.lines = {"stdout": Lines(), "stderr": Lines()}
-        self.log: deque[tuple[str, str]] = deque(maxlen=keep)
-        self.dropped = 0
+        self.lines: deque[Group] = deque(maxlen=keep)  # the folded lines it printed
+        self.count = 0
         self.state = "queued"
         self.started: float | None = None
         self.ended: float | None = None
         self.last = ""
         self.progress: P.RankProgress | None = None
-        self.result: str | None = None
-        self.pane_dirty = False
         self.waiting: tuple[str, float] | None = None  # (collective, since) while blocked in it
 
     def state_text(self, now: float) -> str:
@@ -198,21 +252,50 @@ class _RankView:
             return f"waiting in {op} ({now - since:.0f} s)"
         return self.state
 
+    def elapsed(self, now: float) -> float | None:
+        return None if self.started is None else (self.ended or now) - self.started
+
 
 def _esc(text: str) -> str:
     return html.escape(text, quote=False)
 
 
-class Dashboard:
-    """One cell's live view: header, a row per rank, tabs with every log.
+_WIDGET_CLASS = None
+_LAYOUT = None
 
-    ``interval`` seconds at least between two renders (each render sends the
-    header, the rank table, the interleaved log and at most one rank's log:
-    a bounded number of widget messages per second at any world size).
+
+def _widget(**state):
+    """One anywidget (one comm) per cell; every dashboard shares a single layout model."""
+    global _WIDGET_CLASS, _LAYOUT
+    if _WIDGET_CLASS is None:
+        import anywidget
+        import ipywidgets
+        import traitlets as t
+
+        class DashboardWidget(anywidget.AnyWidget):
+            _esm = Path(__file__).with_name("dashboard.js").read_text()
+            ranks = t.List(t.Int()).tag(sync=True)
+            header = t.Unicode().tag(sync=True)
+            rows = t.Unicode().tag(sync=True)
+            lines = t.List().tag(sync=True)  # [rank set, stream, text], the live tail
+            hidden = t.Int().tag(sync=True)  # lines before that tail
+            focus = t.Int(-1).tag(sync=True)  # the rank whose log opens (the first failure)
+
+        _WIDGET_CLASS, _LAYOUT = DashboardWidget, ipywidgets.Layout()
+    return _WIDGET_CLASS(layout=_LAYOUT, **state)
+
+
+class Dashboard:
+    """One cell's live view: a single widget with a header, the ranks and the folded log.
+
+    ``interval`` seconds at least between two renders; a render sends only the
+    parts that changed, in one message. Pools of more than ``ROWS`` ranks show
+    counts per state, the slowest ranks and the rows that differ from the rest.
     """
 
-    LIVE_LINES = 400  # lines a pane shows while the cell runs
+    LIVE_LINES = 400  # folded lines the live log holds
     FROZEN_LINES = 1000  # lines each log of a finished cell's static view keeps
+    ROWS = 16  # larger pools show a summary instead of a row per rank
 
     def __init__(
         self,
@@ -225,37 +308,26 @@ class Dashboard:
         interval: float = 0.3,
         clock=time.monotonic,
         hosts: dict[int, str] | None = None,
+        fold: bool = True,
+        window: float = FOLD_WINDOW,
     ) -> None:
-        import ipywidgets as w
-
         self.ranks = list(ranks)
         self.world_size = world_size
         self.backend, self.devices = backend, devices
         self.keep, self.interval, self.clock = keep, interval, clock
         self.hosts = dict(hosts or {})
         self.views = {r: _RankView(keep) for r in self.ranks}
-        self.all: deque[tuple[int, str, str]] = deque(maxlen=keep)
-        self.all_dropped = 0
-        self.all_dirty = False
+        self._fold = _Folding(self.ranks, fold, window, clock)
+        self.log: deque[Group] = deque(maxlen=keep)
+        self.dropped = 0
+        self._log_dirty = False
         self.started = clock()
         self.ended: float | None = None
         self.status = "running"
         self.notes: list[str] = []
         self._last_render = float("-inf")
-        self._next_pane = 0
         self.renders = 0
-
-        # one layout and one style model shared by every HTML part: each model is a
-        # comm opened with the cell and closed when it ends, so fewer is cheaper
-        first = w.HTML()
-        look = {"layout": first.layout, "style": first.style}
-        self.header = first
-        self.table = w.HTML(**look)
-        self.panes = [w.HTML(**look) for _ in range(len(self.ranks) + 1)]
-        self.tabs = w.Tab(children=self.panes)
-        self.tabs.titles = ("all ranks", *(f"rank {r}" for r in self.ranks))
-        self.widget = w.VBox([self.header, self.table, self.tabs])
-        self.widget.add_class("nbddp-dashboard")
+        self.widget = _widget(ranks=self.ranks)
         self._handle = None
         self._render(force=True)
 
@@ -283,64 +355,50 @@ class Dashboard:
     # -- events
 
     def handle(self, event: object) -> None:
+        view = self.views.get(getattr(event, "rank", None))
         if isinstance(event, P.Output):
-            self._output(event)
-        elif isinstance(event, P.RankState):
-            view = self.views.get(event.rank)
-            if view is not None:
-                self._state(event.rank, view, event.state)
-        elif isinstance(event, P.RankResult):
-            view = self.views.get(event.rank)
-            if view is not None and event.value_repr is not None:
-                view.result = event.value_repr
-                self._add(event.rank, view, "stdout", f"Out: {event.value_repr}")
-        elif isinstance(event, P.RankProgress):
-            view = self.views.get(event.rank)
-            if view is not None:
-                view.progress = event
+            if view is None:  # a rank outside the cell printed (a background thread)
+                view = self.views[event.rank] = _RankView(self.keep)
+            self._take(self._fold.output(event))
+            current = self._fold.lines(event.rank, event.stream).current
+            if current:
+                view.last = current
+        elif isinstance(event, P.RankState) and view is not None:
+            self._state(event.rank, view, event)
+        elif isinstance(event, P.RankResult) and view is not None:
+            if event.value_repr is not None:
+                self._take(self._fold.result_lines(event))
+        elif isinstance(event, P.RankProgress) and view is not None:
+            view.progress = event
         elif isinstance(event, P.RankDisplay):
             show_rich(event)
-        elif isinstance(event, P.RankWhere):
-            view = self.views.get(event.rank)
-            if view is not None:
-                view.waiting = (event.waiting, event.since) if event.waiting else None
+        elif isinstance(event, P.RankWhere) and view is not None:
+            view.waiting = (event.waiting, event.since) if event.waiting else None
         self._render()
 
-    def _state(self, rank: int, view: _RankView, state: str) -> None:
+    def _state(self, rank: int, view: _RankView, event: P.RankState) -> None:
         now = self.clock()
-        if state == "running" and view.started is None:
+        if event.state == "running" and view.started is None:
             view.started = now
-        elif state != "running":
+        elif event.state != "running":
             view.ended, view.waiting = now, None
-            for stream, lines in view.lines.items():
-                for line in lines.flush():
-                    self._add(rank, view, stream, line)
-        first_failure = state in FAILED_STATES and not any(
-            v.state in FAILED_STATES for v in self.views.values()
-        )
-        view.state = state
-        if first_failure:  # its pane opens
-            self.tabs.selected_index = self.ranks.index(rank) + 1
+        self._take(self._fold.state(event))
+        view.state = event.state
+        if event.state in FAILED_STATES and self.widget.focus < 0:  # the first failure's log opens
+            self.widget.focus = rank
 
-    def _output(self, event: P.Output) -> None:
-        view = self.views.get(event.rank)
-        if view is None:  # a rank outside the cell printed (a background thread)
-            view = self.views[event.rank] = _RankView(self.keep)
-        for line in view.lines[event.stream].feed(event.text):
-            self._add(event.rank, view, event.stream, line)
-        current = view.lines[event.stream].current
-        if current:
-            view.last = current
-
-    def _add(self, rank: int, view: _RankView, stream: str, line: str) -> None:
-        if len(view.log) == view.log.maxlen:
-            view.dropped += 1
-        view.log.append((stream, line))
-        if len(self.all) == self.all.maxlen:
-            self.all_dropped += 1
-        self.all.append((rank, stream, line))
-        view.last = line
-        view.pane_dirty = self.all_dirty = True
+    def _take(self, groups: list[Group]) -> None:
+        for group in groups:
+            if len(self.log) == self.log.maxlen:
+                self.dropped += 1
+            self.log.append(group)
+            for rank in group.ranks:
+                view = self.views.get(rank)
+                if view is not None:
+                    view.lines.append(group)
+                    view.count += 1
+                    view.last = group.text
+            self._log_dirty = True
 
     # -- rendering
 
@@ -350,30 +408,19 @@ class Dashboard:
             return
         self._last_render = now
         self.renders += 1
-        self.header.value = self._header_html(now)
-        self.table.value = self._table_html(now)
-        live = None if force else self.LIVE_LINES
-        if self.all_dirty or force:
-            self.all_dirty = False
-            self.panes[0].value = self._pane_html(
-                [(f"[{r}] ", s, t) for r, s, t in self.all], self.all_dropped, live
-            )
-        n = len(self.ranks)
-        # one rank's pane per render, taken round robin, so every pane keeps up
-        order = [(self._next_pane + i) % n for i in range(n)]
-        dirty = [i for i in order if self.views[self.ranks[i]].pane_dirty]
-        for i in dirty if force else dirty[:1]:
-            view = self.views[self.ranks[i]]
-            view.pane_dirty = False
-            self.panes[i + 1].value = self._pane_html(
-                [("", s, t) for s, t in view.log], view.dropped, live
-            )
-            self._next_pane = (i + 1) % n
-
-    def _elapsed(self, view: _RankView, now: float) -> str:
-        if view.started is None:
-            return ""
-        return f"{(view.ended or now) - view.started:.1f} s"
+        self._take(self._fold.due())
+        w = self.widget
+        with w.hold_sync():  # one message with the parts that changed
+            w.header = self._header_html(now)
+            w.rows = self._rows_html(now)
+            if self._log_dirty:
+                self._log_dirty = False
+                start = max(0, len(self.log) - self.LIVE_LINES)
+                w.lines = [
+                    [rank_set(g.ranks), g.stream, g.text]
+                    for g in itertools.islice(self.log, start, None)
+                ]
+                w.hidden = self.dropped + start
 
     def _header_html(self, now: float) -> str:
         elapsed = (self.ended or now) - self.started
@@ -387,19 +434,62 @@ class Dashboard:
         ]
         return "<div class='nbddp-header'>" + " · ".join(p for p in parts if p) + "</div>"
 
-    def _table_html(self, now: float) -> str:
+    def _rows_html(self, now: float) -> str:
+        """A row per rank; for large pools, the summary and the rows worth a look."""
+        if len(self.views) <= self.ROWS:
+            return self._table_html(sorted(self.views), now)
+        return self._summary_line(now) + self._table_html(self._notable(now), now)
+
+    def _summary_line(self, now: float) -> str:
+        counts = Counter(v.state_text(now).split(" (")[0] for v in self.views.values())
+        shown = " · ".join(
+            f"<span style='color:{STATE_COLOURS.get(s.split()[0], '#888888')};font-weight:bold'>"
+            f"{n} {_esc(s)}</span>"
+            for s, n in sorted(counts.items(), key=lambda sn: -sn[1])
+        )
+        slow = self._slowest(now, 3)
+        slowest = ", ".join(f"rank {r} ({self.views[r].elapsed(now):.1f} s)" for r in slow)
+        progress = [(r, v.progress) for r, v in self.views.items() if v.progress is not None]
+        behind = ""
+        if progress:
+            r, p = min(progress, key=lambda rp: (rp[1].done / (rp[1].total or 1), rp[0]))
+            behind = f" · furthest behind: rank {r} {self._progress_html(p)}"
+        return (
+            f"<div class='nbddp-counts'>{shown}"
+            + (f" · slowest: {slowest}" if slowest else "")
+            + behind
+            + "</div>"
+        )
+
+    def _slowest(self, now: float, n: int) -> list[int]:
+        timed = [(v.elapsed(now), r) for r, v in self.views.items() if v.started is not None]
+        return [r for _, r in sorted(timed, key=lambda er: (-er[0], er[1]))[:n]]
+
+    def _notable(self, now: float) -> list[int]:
+        """Ranks that failed or were stopped, then ranks in a state fewer share, then the
+        slowest: at most ``ROWS`` rows."""
+        counts = Counter(v.state for v in self.views.values())
+        usual = counts.most_common(1)[0][0]
+        bad = [r for r, v in self.views.items() if v.state not in ("running", "done", "queued")]
+        odd = [r for r, v in self.views.items() if v.state != usual and r not in bad]
+        rows = list(dict.fromkeys([*sorted(bad), *sorted(odd), *self._slowest(now, 3)]))
+        return sorted(rows[: self.ROWS])
+
+    def _table_html(self, ranks: list[int], now: float) -> str:
         rows = []
-        for rank in sorted(self.views):
+        for rank in ranks:
             view = self.views[rank]
             shown = view.state_text(now)
             colour = STATE_COLOURS.get(shown.split()[0], "#888888")
             failed = view.state in FAILED_STATES
             style = "background:#fde7e7;" if failed else ""
+            elapsed = view.elapsed(now)
             rows.append(
                 f"<tr class='nbddp-row nbddp-{view.state}' data-rank='{rank}' style='{style}'>"
                 f"<td style='padding:1px 8px'>rank {rank}{self._host(rank)}</td>"
                 f"<td style='padding:1px 8px;color:{colour};font-weight:bold'>{shown}</td>"
-                f"<td style='padding:1px 8px;text-align:right'>{self._elapsed(view, now)}</td>"
+                "<td style='padding:1px 8px;text-align:right'>"
+                f"{'' if elapsed is None else f'{elapsed:.1f} s'}</td>"
                 f"<td style='padding:1px 8px'>{self._progress_html(view.progress)}</td>"
                 "<td style='padding:1px 8px;font-family:monospace;max-width:60ch;"
                 "overflow:hidden;text-overflow:ellipsis;white-space:nowrap'>"
@@ -432,31 +522,26 @@ class Dashboard:
         desc = f"{_esc(p.desc)} " if p.desc else ""
         return f"<span class='nbddp-progress'>{bar}{desc}{count}</span>"
 
-    def _pane_html(
-        self,
-        lines: list[tuple[str, str, str]],
-        dropped: int,
-        shown: int | None,
-        live: bool = True,
-    ) -> str:
-        """A scrolling log: the last ``shown`` lines (None: all kept), a note of the rest."""
-        hidden = dropped
-        if shown is not None and len(lines) > shown:
-            hidden += len(lines) - shown
-            lines = lines[-shown:]
+    @staticmethod
+    def _pane_html(lines: list[Group], dropped: int, shown: int, labelled: bool) -> str:
+        """A static scrolling log: the last ``shown`` lines, a note of the rest."""
+        hidden = dropped + max(0, len(lines) - shown)
+        lines = lines[-shown:]
         body = "".join(
-            f"<span style='color:#b71c1c'>{_esc(p + t)}</span>\n"
-            if s == "stderr"
-            else _esc(p + t) + "\n"
-            for p, s, t in lines
-        )
-        note = ""
-        if hidden:
-            note = (
-                f"<div class='nbddp-dropped' style='color:#888'>… {hidden} earlier lines "
-                f"not shown{' (more show when the cell ends)' if live and shown else ''}"
-                "</div>"
+            (
+                f"<span style='color:#b71c1c'>{_esc(text)}</span>\n"
+                if g.stream == "stderr"
+                else _esc(text) + "\n"
             )
+            for g in lines
+            for text in [f"[{rank_set(g.ranks)}] {g.text}" if labelled else g.text]
+        )
+        note = (
+            f"<div class='nbddp-dropped' style='color:#888'>… {hidden} earlier lines "
+            "not shown</div>"
+            if hidden
+            else ""
+        )
         # column-reverse keeps the scroll at the bottom: the tail is always visible
         return (
             "<div class='nbddp-pane' style='max-height:320px;overflow-y:auto;display:flex;"
@@ -471,10 +556,7 @@ class Dashboard:
 
     def close(self, end: P.CellEnd | None) -> None:
         self.ended = self.clock()
-        for rank, view in self.views.items():
-            for stream, lines in view.lines.items():
-                for line in lines.flush():
-                    self._add(rank, view, stream, line)
+        self._take(self._fold.flush())
         if end is None:
             self.status = "stopped"
         elif end.interrupted:
@@ -484,7 +566,7 @@ class Dashboard:
         else:
             self.status = "done"
         self.notes = list(end.notes) if end else []
-        if self._handle is None:  # not shown: the widgets are all there is to read
+        if self._handle is None:  # not shown: the widget is all there is to read
             self._render(force=True)
         self.freeze()  # shown: its static rendering replaces it, no last widget update
 
@@ -496,52 +578,50 @@ class Dashboard:
         }
 
     def freeze(self) -> None:
-        """Replace the live widget by its static rendering and close every widget of
-        it in the kernel: nothing accumulates across cells, in the kernel, in the
-        front ends or in the saved notebook."""
+        """Replace the live widget by its static rendering and close it in the kernel:
+        nothing accumulates across cells, in the kernel, in the front ends or in the
+        saved notebook."""
         if self._handle is not None:
             self._handle.update(self.frozen_bundle(), raw=True)
-        models = {}
-        for widget in [self.widget, self.tabs, self.header, self.table, *self.panes]:
-            for part in (widget, getattr(widget, "layout", None), getattr(widget, "style", None)):
-                if part is not None:
-                    models[id(part)] = part
-        for model in models.values():
-            model.close()
+        self.widget.close()
 
     def summary_text(self) -> str:
+        now = self.ended or self.clock()
         lines = [f"nbddp: {len(self.ranks)} ranks, {self.status}"]
-        for rank in sorted(self.views):
+        if len(self.views) > self.ROWS:
+            counts = Counter(v.state for v in self.views.values())
+            lines.append("  " + ", ".join(f"{n} {s}" for s, n in counts.most_common()))
+        for rank in sorted(self.views) if len(self.views) <= self.ROWS else self._notable(now):
             view = self.views[rank]
             lines.append(f"  rank {rank}: {view.state}  {view.last[:100]}")
         return "\n".join(lines)
 
     def summary_html(self, tail: int = 20, all_ranks: bool = False) -> str:
         """A static view for readers without a live kernel (saved notebooks, GitHub):
-        the header, the rows, then each rank's log (the last ``tail`` lines, a failed
-        rank's open) and, with ``all_ranks``, every rank's lines interleaved (open when
-        no rank failed, as the live view's first tab)."""
+        the header, the rows, then the folded log of every rank (with ``all_ranks``; open
+        when no rank failed) and each rank's own log (the last ``tail`` lines, a failed
+        rank's open; for large pools only the ranks whose row is shown)."""
         now = self.ended or self.clock()
-        parts = [self._header_html(now), self._table_html(now)]
+        parts = [self._header_html(now), self._rows_html(now)]
         failed = any(v.state in FAILED_STATES for v in self.views.values())
-        if all_ranks and self.all:
-            lines = [(f"[{r}] ", s, t) for r, s, t in self.all]
+        if all_ranks and self.log:
             parts.append(
                 f"<details class='nbddp-log nbddp-log-all'{'' if failed else ' open'}>"
-                f"<summary>all ranks log ({len(self.all) + self.all_dropped} lines)</summary>"
-                + self._pane_html(lines, self.all_dropped, tail, live=False)
+                f"<summary>all ranks log ({len(self.log) + self.dropped} lines)</summary>"
+                + self._pane_html(list(self.log), self.dropped, tail, labelled=True)
                 + "</details>"
             )
-        for rank in sorted(self.views):
+        own = sorted(self.views) if len(self.views) <= self.ROWS else self._notable(now)
+        for rank in own:
             view = self.views[rank]
-            if not view.log:
+            if not view.lines:
                 continue
             bad = view.state in FAILED_STATES
-            lines = [("", s, t) for s, t in view.log]
+            dropped = view.count - len(view.lines)
             parts.append(
                 f"<details class='nbddp-log' data-rank='{rank}'{' open' if bad else ''}>"
-                f"<summary>rank {rank} log ({len(view.log) + view.dropped} lines)</summary>"
-                + self._pane_html(lines, view.dropped, tail * 3 if bad else tail, live=False)
+                f"<summary>rank {rank} log ({view.count} lines)</summary>"
+                + self._pane_html(list(view.lines), dropped, tail * 3 if bad else tail, False)
                 + "</details>"
             )
         return "<div class='nbddp-summary'>" + "".join(parts) + "</div>"

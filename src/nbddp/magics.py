@@ -33,6 +33,7 @@ from .pool import Pool, default_pool, raise_for_end, set_default_pool
 
 __all__ = ["DDPMagics", "launcher_hints", "load", "unload"]
 
+TICK = 0.1  # seconds of silence after which the sink hears a Tick (folded lines wait <= 0.25 s)
 SUBCOMMANDS = (
     "start",
     "attach",
@@ -132,6 +133,11 @@ def default_world_size() -> int:
 @argument("--display", default="0", help="ranks whose display() and figures are shown ('0')")
 @argument("--text", action="store_true", help="print lines as '[rank N] line', no widgets")
 @argument("--quiet", action="store_true", help="show nothing unless a rank fails")
+@argument(
+    "--no-fold",
+    action="store_true",
+    help="every rank's lines apart (by default a line several ranks print shows once)",
+)
 def ddp_cell(line, cell):
     """Run the cell on every rank of the pool (``%%ddp``)."""
 
@@ -239,7 +245,7 @@ class DDPMagics(Magics):
         """Run a cell on a persistent pool of torch.distributed ranks.
 
         %%ddp [-n N] [--need NAMES] [--imports STMTS] [--ranks RANKS] [--out VAR]
-              [--timeout S] [--display RANKS] [--text] [--quiet]
+              [--timeout S] [--display RANKS] [--text] [--quiet] [--no-fold]
         %ddp start [-n N] [--backend gloo|nccl] [--start-method M] [--timeout S] [--grace S]
         %ddp status | stacks | restart | stop | interrupt
         %ddp push NAMES [--ranks RANKS]
@@ -456,7 +462,7 @@ class DDPMagics(Magics):
             ranks = capture.parse_ranks(args.ranks, pool.world_size)
         except CaptureError as exc:
             raise UsageError(str(exc)) from None
-        events = pool.run_script(args.script, args.args, keep=args.keep, ranks=ranks, tick=0.5)
+        events = pool.run_script(args.script, args.args, keep=args.keep, ranks=ranks, tick=TICK)
         self._finish(events, self._sink(pool, ranks, text=False, quiet=False))
 
     def _export(self, rest: str) -> None:
@@ -503,13 +509,12 @@ class DDPMagics(Magics):
                 want_values=args.out is not None,
                 timeout=args.timeout,
                 display_ranks=display_ranks,
-                tick=0.5,
+                tick=TICK,
             )
         except PoolClosedError as exc:  # an attached pool that lost a rank
             raise UsageError(str(exc)) from None
-        self._finish(
-            events, self._sink(pool, ranks, text=args.text, quiet=args.quiet), out=args.out
-        )
+        sink = self._sink(pool, ranks, text=args.text, quiet=args.quiet, fold=not args.no_fold)
+        self._finish(events, sink, out=args.out)
 
     # -- automatic capture
 
@@ -554,10 +559,12 @@ class DDPMagics(Magics):
             self._say(note)
         return auto, "\n".join([*replay, imports] if imports else replay)
 
-    def _sink(self, pool: Pool, ranks: list[int] | None, *, text: bool, quiet: bool):
+    def _sink(
+        self, pool: Pool, ranks: list[int] | None, *, text: bool, quiet: bool, fold: bool = True
+    ):
         """The widget dashboard in a front end with widgets, else ``[rank N]`` lines."""
         if quiet or text or getattr(self.shell, "kernel", None) is None:
-            return TextSink(quiet=quiet, hosts=pool.hosts)
+            return TextSink(quiet=quiet, hosts=pool.hosts, fold=fold)
         devices = sorted(set(pool.devices))
         return Dashboard(
             list(range(pool.world_size)) if ranks is None else ranks,
@@ -565,6 +572,7 @@ class DDPMagics(Magics):
             backend=pool.backend_in_use,
             devices=", ".join(devices) if len(devices) <= 2 else f"{len(devices)} devices",
             hosts=pool.hosts,
+            fold=fold,
         ).show()
 
     def _finish(self, events, sink, out: str | None = None) -> P.CellEnd:

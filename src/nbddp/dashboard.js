@@ -1,0 +1,102 @@
+// nbddp's live dashboard (an anywidget view): the header and the rank rows come from the
+// kernel as HTML (the same HTML a finished cell keeps); the folded log is drawn here, for
+// every rank or for one, picked in the list or by clicking a row.
+
+function ranges(set) {
+  // "0-3,5" -> [[0, 3], [5, 5]]
+  return set.split(",").map((part) => {
+    const [a, b] = part.split("-");
+    return [Number(a), b === undefined ? Number(a) : Number(b)];
+  });
+}
+
+function holds(set, rank) {
+  return ranges(set).some(([a, b]) => a <= rank && rank <= b);
+}
+
+function render({ model, el }) {
+  const root = document.createElement("div");
+  root.className = "nbddp-dashboard nbddp-live";
+  const header = document.createElement("div");
+  const rows = document.createElement("div");
+  const controls = document.createElement("div");
+  controls.style.cssText = "margin:4px 0;font-size:90%";
+  const choose = document.createElement("select");
+  choose.className = "nbddp-choose";
+  controls.append("log: ", choose);
+  const pane = document.createElement("div");
+  pane.className = "nbddp-pane";
+  pane.style.cssText = "max-height:320px;overflow-y:auto";
+  const note = document.createElement("div");
+  note.className = "nbddp-dropped";
+  note.style.color = "#888";
+  const pre = document.createElement("pre");
+  pre.style.cssText = "margin:0;white-space:pre-wrap";
+  pane.append(note, pre);
+  root.append(header, rows, controls, pane);
+  el.append(root);
+
+  let shown = null; // the rank whose lines the log shows; null: every rank, folded
+
+  const drawChoices = () => {
+    const options = [new Option("all ranks", "")];
+    for (const rank of model.get("ranks")) options.push(new Option(`rank ${rank}`, String(rank)));
+    choose.replaceChildren(...options);
+    choose.value = shown === null ? "" : String(shown);
+  };
+  const drawTop = () => {
+    header.innerHTML = model.get("header");
+    rows.innerHTML = model.get("rows");
+  };
+  const drawLog = () => {
+    const atEnd = pane.scrollHeight - pane.scrollTop - pane.clientHeight < 8;
+    const lines = document.createDocumentFragment();
+    for (const [ranks, stream, text] of model.get("lines")) {
+      if (shown !== null && !holds(ranks, shown)) continue;
+      const line = document.createElement("span");
+      line.className = "nbddp-line";
+      if (stream === "stderr") line.style.color = "#b71c1c";
+      line.textContent = `${shown === null ? `[${ranks}] ` : ""}${text}\n`;
+      lines.append(line);
+    }
+    pre.replaceChildren(lines);
+    const hidden = model.get("hidden");
+    note.textContent = hidden
+      ? `… ${hidden} earlier lines not shown (more show when the cell ends)`
+      : "";
+    if (atEnd) pane.scrollTop = pane.scrollHeight;
+  };
+  const show = (rank) => {
+    shown = rank;
+    choose.value = rank === null ? "" : String(rank);
+    drawLog();
+  };
+  const focus = () => {
+    const rank = model.get("focus");
+    if (rank >= 0) show(rank);
+  };
+
+  choose.addEventListener("change", () => show(choose.value === "" ? null : Number(choose.value)));
+  rows.addEventListener("click", (event) => {
+    const row = event.target.closest("[data-rank]");
+    if (row) show(Number(row.dataset.rank));
+  });
+  const handlers = [
+    ["change:ranks", drawChoices],
+    ["change:header", drawTop],
+    ["change:rows", drawTop],
+    ["change:lines", drawLog],
+    ["change:hidden", drawLog],
+    ["change:focus", focus],
+  ];
+  for (const [name, handler] of handlers) model.on(name, handler);
+  drawChoices();
+  drawTop();
+  drawLog();
+  focus();
+  return () => {
+    for (const [name, handler] of handlers) model.off(name, handler);
+  };
+}
+
+export default { render };

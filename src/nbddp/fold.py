@@ -1,0 +1,164 @@
+"""Folded output: a line that several ranks print is shown once, with its rank set.
+
+``[ranks 0-31] epoch 1 loss 0.25`` stands for 32 identical lines. Lines that
+differ per rank stay apart, and every rank's own lines keep their order.
+
+A line waits in a group until it is *settled*: every rank of the cell has
+printed a later line, or ended, or ``window`` seconds have passed. Groups come
+out in the order they were opened, so a settled group behind an unsettled one
+waits for it (at most ``window``). A rank's line joins the oldest open group
+with the same text that it has not passed yet; otherwise it opens a group.
+
+tqdm bars fold on what they show (description, percentage, count), not on
+their timings; the folded line is the last rank's (the slowest) bar.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass, field
+
+__all__ = ["Folder", "Group", "rank_set"]
+
+# tqdm's default layout: "desc: 100%|█████| 10/10 [00:01<00:00,  9.81it/s]"
+_TQDM = re.compile(r"^(.*?\d+%\|.*\|\s*\S+/\S+)\s+\[[^\]]*\]\s*$")
+
+
+_NEVER = 1 << 62  # no live rank: every group is settled
+
+
+def fold_key(line: str) -> str:
+    """What two ranks' lines must share to fold: the text, or a bar without its timings."""
+    m = _TQDM.match(line)
+    return m.group(1) if m else line
+
+
+def rank_set(ranks: list[int] | tuple[int, ...]) -> str:
+    """``[0, 1, 2, 3, 5]`` -> ``0-3,5``."""
+    out, ranks = [], sorted(ranks)
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+@dataclass
+class Group:
+    seq: int
+    key: str
+    stream: str
+    text: str
+    born: float
+    ranks: list[int] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        """``rank 3`` or ``ranks 0-31``."""
+        if len(self.ranks) == 1:
+            return f"rank {self.ranks[0]}"
+        return f"ranks {rank_set(self.ranks)}"
+
+
+class Folder:
+    """Lines in (``feed``), folded groups out, in order (``feed``, ``due``, ``flush``).
+
+    ``ranks`` are the ranks expected to print; ``window`` seconds bound how long
+    a line waits for the same line from other ranks. ``window=0`` folds nothing
+    (``--no-fold``): every line comes out as it arrives.
+    """
+
+    def __init__(self, ranks, *, window: float = 0.25) -> None:
+        self.window = window
+        self._seq = 0
+        self._open: deque[Group] = deque()
+        self._by_key: dict[tuple[str, str], list[Group]] = {}
+        # the newest group each rank joined (-1: none yet), and how many ranks are at each
+        # the newest group each rank joined (-1: none yet; None: the rank ended), how many
+        # ranks are at each group, and the oldest of those: groups up to it are settled
+        self._last: dict[int, int | None] = {}
+        self._at: dict[int, int] = {}
+        self._low = _NEVER
+        for rank in ranks:
+            self.expect(rank)
+
+    def feed(self, rank: int, stream: str, line: str, now: float) -> list[Group]:
+        """A whole line from ``rank``; returns the groups now ready, in order."""
+        if self.window <= 0:
+            return [Group(-1, line, stream, line, now, [rank])]
+        key = fold_key(line)
+        self.expect(rank)  # a rank outside the cell, or printing after its end
+        last = self._last[rank]
+        group = next((g for g in self._by_key.get((stream, key), ()) if g.seq > last), None)
+        if group is None:
+            group = Group(self._seq, key, stream, line, now)
+            self._seq += 1
+            self._open.append(group)
+            self._by_key.setdefault((stream, key), []).append(group)
+        group.ranks.append(rank)
+        group.text = line  # a bar shows its last (slowest) rank's state
+        self._move(rank, group.seq)
+        return self.due(now)
+
+    def expect(self, rank: int) -> None:
+        """``rank`` runs from now on: lines opened from here wait for it (or the window)."""
+        if self._last.get(rank) is None:
+            self._enter(rank, self._seq - 1)
+
+    def finish(self, rank: int, now: float) -> list[Group]:
+        """``rank`` prints no more in this cell: groups waiting only for it can go."""
+        if self._last.get(rank) is not None:
+            self._leave(self._last[rank])
+            self._last[rank] = None
+        return self.due(now)
+
+    def due(self, now: float) -> list[Group]:
+        """The groups ready now: settled, or older than the window, from the oldest."""
+        out = []
+        while self._open:
+            head = self._open[0]
+            if head.seq > self._low and now - head.born < self.window:
+                break
+            out.append(self._pop())
+        return out
+
+    def flush(self) -> list[Group]:
+        """Every group still open (the cell ended)."""
+        return [self._pop() for _ in range(len(self._open))]
+
+    @property
+    def pending(self) -> int:
+        return len(self._open)
+
+    def _pop(self) -> Group:
+        group = self._open.popleft()
+        same = self._by_key[(group.stream, group.key)]
+        same.remove(group)
+        if not same:
+            del self._by_key[(group.stream, group.key)]
+        return group
+
+    def _enter(self, rank: int, seq: int) -> None:
+        self._last[rank] = seq
+        self._at[seq] = self._at.get(seq, 0) + 1
+        self._low = min(self._low, seq)
+
+    def _move(self, rank: int, seq: int) -> None:
+        self._leave(self._last[rank])
+        self._enter(rank, seq)
+
+    def _leave(self, seq: int) -> None:
+        self._at[seq] -= 1
+        if self._at[seq]:
+            return
+        del self._at[seq]
+        if seq == self._low:  # the oldest rank moved on: the next oldest, scanning up once
+            if not self._at:
+                self._low = _NEVER
+                return
+            while self._low not in self._at:
+                self._low += 1
