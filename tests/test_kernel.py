@@ -37,6 +37,7 @@ class Reply:
         self.displays: list[dict] = []  # display_data and update_display_data bundles
         self.comm_msgs = 0
         self.iopub = 0
+        self.kinds: list[str] = []  # iopub message types, in order
 
     @property
     def html(self) -> str:
@@ -61,6 +62,7 @@ def execute(kc, code: str, timeout: float = 60, on_output=None) -> Reply:
             continue
         kind, content = msg["msg_type"], msg["content"]
         reply.iopub += 1
+        reply.kinds.append(kind)
         if kind in ("display_data", "update_display_data"):
             reply.displays.append(content["data"])
         elif kind == "comm_msg":
@@ -97,6 +99,8 @@ def test_the_core_example_in_a_kernel_and_shutdown_leaves_nothing(kernel):
     # the dashboard: a widget, and beside it a static summary that holds both ranks' lines
     widget = [d for d in r.displays if "application/vnd.jupyter.widget-view+json" in d]
     assert widget and r.comm_msgs > 0
+    # what the notebook printed first ("started 2 ranks") stays above the dashboard
+    assert r.kinds.index("stream") < r.kinds.index("display_data"), r.kinds
     final = r.displays[-1]
     assert "application/vnd.jupyter.widget-view+json" not in final  # frozen: static only
     assert "rank 0 log" in final["text/html"] and "rank 1 log" in final["text/html"]
