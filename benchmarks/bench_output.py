@@ -88,7 +88,7 @@ def nbddp_mode(kc, n: int, lines: int, flags: str) -> dict:
     r = run(kc, f"%%ddp {flags}\n" + LOOP.format(lines=lines))
     run(kc, "%%ddp --out _pt --quiet\n(print_time, null_time)")
     times = fetch(kc, "_pt")
-    accounted = [int(x) for x in re.findall(r"log \((\d+) lines\)", r["html"])]
+    accounted = [int(x) for x in re.findall(r"rank \d+ log \((\d+) lines\)", r["html"])]
     return {
         **r,
         "print_s": max(t[0] for t in times),

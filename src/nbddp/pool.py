@@ -33,6 +33,7 @@ import pickle
 import queue
 import secrets
 import select
+import selectors
 import shutil
 import signal
 import socket
@@ -45,7 +46,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 from . import capture, payload
 from . import protocol as P
@@ -150,10 +151,13 @@ class _Rank:
     names: frozenset[str] = frozenset()  # the rank's global names, as last reported
 
     def send(self, msg: object) -> bool:
+        return self.send_bytes(P.dumps(msg))
+
+    def send_bytes(self, data: bytes) -> bool:
         if self.conn is None or self.state == "dead":
             return False
         try:
-            self.conn.send_bytes(P.dumps(msg))
+            self.conn.send_bytes(data)
             return True
         except OSError:
             return False
@@ -238,6 +242,7 @@ class Pool:
         self._listener: socket.socket | None = None
         self._token = token or b""
         self._authed: queue.SimpleQueue = queue.SimpleQueue()  # (conn, hello) from handshakes
+        self._early: dict[int, list] = {}  # attached: streams that came before their rank
         self._ranks: dict[int, _Rank] = {}
         self._store_port: int | None = None
         self._reforms = 0  # re-forms of the group, each named in the ranks' shared store
@@ -253,6 +258,9 @@ class Pool:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._selector = selectors.DefaultSelector()  # every connection of every rank
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._sentinel_fds: set[int] = set()
 
     @staticmethod
     def _check_layout(n, device, gpus, groups, mesh) -> None:
@@ -271,6 +279,8 @@ class Pool:
             )
 
     def __del__(self) -> None:
+        if getattr(self, "_selector", None) is not None:
+            self._selector.close()  # the epoll descriptor
         for fd in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
             if fd is not None:
                 with contextlib.suppress(OSError):
@@ -449,8 +459,14 @@ class Pool:
         for r in ranks:
             for conn in [r.conn, *(s.conn for s in r.streams.values())]:
                 if conn is not None:
+                    if not conn.closed:
+                        self._unwatch(conn.fileno())
                     conn.close()
         self._ranks.clear()
+        for early in self._early.values():
+            for conn, _ in early:
+                conn.close()
+        self._early.clear()
         for log in self._logs.values():
             log.close()
         self._logs.clear()
@@ -492,41 +508,65 @@ class Pool:
 
     def _pump(self, timeout: float | None) -> list[tuple]:
         """Wait for anything on any connection, stream or sentinel; return what happened."""
-        objs: list = [self._wake_r]
-        for r in self._ranks.values():
-            if r.state == "dead":
-                continue
-            if r.conn is not None:
-                objs.append(r.conn)
-            objs += [s.conn for s in r.streams.values() if not s.eof]
-        if self._launcher is not None:
-            objs += self._launcher.sentinels()
-        ready = wait(objs, timeout)
+        sentinels = self._watch_sentinels()
         items: list[tuple] = []
-        for obj in ready:
-            if obj == self._wake_r:
+        ended = False
+        for key, _ in self._selector.select(timeout):
+            what = key.data
+            if what is None:  # the wake pipe
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
+            elif what is sentinels:
+                ended = True
             else:
-                items += self._service(obj)
+                items += self._service(key.fd, *what)
         while not self._authed.empty():
             self._attach(*self._authed.get())
-        if self._launcher is not None and any(o in ready for o in self._launcher.sentinels()):
+        if ended:
             gone = {i[1] for i in items if i[0] == "gone"}
             items += [i for i in self._exits() if i[1] not in gone]
         return items
 
-    def _service(self, obj: object) -> list[tuple]:
-        for r in self._ranks.values():
-            if obj is r.conn:
-                try:
-                    return [("msg", r.rank, P.loads(r.conn.recv_bytes()))]
-                except (EOFError, OSError):
-                    return [("gone", r.rank)]
-            for s in r.streams.values():
-                if obj is s.conn:
-                    return self._stream_items(r, s, s.read())
-        return []
+    def _service(self, fd: int, r: _Rank, s: _Stream | None) -> list[tuple]:
+        """What came on one connection: a message, stream text, or the end of it."""
+        if r.state == "dead" or r.conn is None:  # nothing more is wanted from it
+            self._unwatch(fd)
+            return []
+        if s is None:
+            try:
+                return [("msg", r.rank, P.loads(r.conn.recv_bytes()))]
+            except (EOFError, OSError):
+                return [("gone", r.rank)]
+        items = self._stream_items(r, s, s.read())
+        if s.eof:
+            self._unwatch(fd)
+        return items
+
+    # one selector for the pool's life: registering thousands of connections at every
+    # wait made a cell's cost grow with the square of the ranks
+
+    def _watch(self, fd: int, data: object) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(fd)  # a number reused after a close
+        self._selector.register(fd, selectors.EVENT_READ, data)
+
+    def _unwatch(self, fd: int) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(fd)
+
+    def _watch_sentinels(self) -> tuple:
+        """Keep the launcher's exit sentinels registered; the marker their keys carry."""
+        fds = set()
+        if self._launcher is not None:
+            fds = {o if isinstance(o, int) else o.fileno() for o in self._launcher.sentinels()}
+        for fd in self._sentinel_fds - fds:
+            self._unwatch(fd)
+        for fd in fds - self._sentinel_fds:
+            self._watch(fd, self._SENTINEL)
+        self._sentinel_fds = fds
+        return self._SENTINEL
+
+    _SENTINEL = ("sentinel",)
 
     def _log_text(self, rank: int, stream: str, text: str) -> None:
         """With ``log_dir``: ``DIR/{rank}/{stream}.log``, written as output arrives."""
@@ -626,6 +666,10 @@ class Pool:
                 return
             self._ranks[rank] = _Rank(rank, hello.pid)
         r = self._ranks.get(rank)
+        if r is None and self.attached and isinstance(hello, P.StreamHello):
+            # its stream finished the handshake before its control connection did
+            self._early.setdefault(rank, []).append((conn, hello))
+            return
         if r is None or r.state == "dead":
             conn.close()
             return
@@ -637,12 +681,16 @@ class Pool:
                     f"{P.PROTOCOL_VERSION}: install the same nbddp version on every host"
                 )
             r.conn, r.pid, r.host = conn, hello.pid, hello.host
+            self._watch(conn.fileno(), (r, None))
+            for early in self._early.pop(rank, ()):
+                self._attach(*early)
             if self._store_port is not None and r.rank != 0:
                 r.send(P.JoinGroup(self._store_port))
             if self.on_join is not None:
                 self.on_join(len(self._ranks), self.world_size)
         elif isinstance(hello, P.StreamHello):
-            r.streams[hello.stream] = _Stream(conn, hello.stream)
+            stream = r.streams[hello.stream] = _Stream(conn, hello.stream)
+            self._watch(stream.fd, (r, stream))
         else:
             conn.close()
 
@@ -764,20 +812,21 @@ class Pool:
             needs = capture.pack(needs)
         cell = next(self._cells)
         shown = {0} if display_ranks is None else set(display_ranks)
-        runs = {
-            r: P.Run(
+        run = {  # two messages at most, each pickled once for every rank
+            display: P.Run(
                 cell,
                 code,
                 imports,
                 needs and needs.data,
                 auto and auto.data,
                 want_values,
-                r in shown,
+                display,
                 shm=not self.attached,
                 script=script,
             )
-            for r in targets
+            for display in (False, True)
         }
+        runs = {r: run[r in shown] for r in targets}
         return self._cell(cell, runs, timeout, tick, [s for s in (needs, auto) if s])
 
     def _cell(
@@ -802,9 +851,13 @@ class Pool:
         )
         out = _Outcome(cell, targets)
         self._active = sup
+        pickled: dict[int, bytes] = {}
         for rank in targets:
+            msg = runs[rank]
+            if id(msg) not in pickled:
+                pickled[id(msg)] = P.dumps(msg)
             self._ranks[rank].state = "running"
-            self._ranks[rank].send(runs[rank])
+            self._ranks[rank].send_bytes(pickled[id(msg)])
             yield P.RankState(rank, "running")
         try:
             while not sup.finished:

@@ -36,6 +36,7 @@ The cell::
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from .stacks import Frame, collective
@@ -47,6 +48,24 @@ SAMPLE_FAST = 0.1  # stacks after a failure, to abort as soon as the others wait
 SETTLE = 0.2  # seen waiting in the same collective this long after a failure: blocked
 
 ENDED = ("ok", "failed", "interrupted", "dead", "stopped")
+
+
+class _Phases(dict):
+    """rank -> phase, counting ranks per phase as they change: ``finished`` and the
+    deadline ask after every event, and must not walk a thousand ranks each time."""
+
+    def __init__(self, ranks, phase: str) -> None:
+        super().__init__((r, phase) for r in ranks)
+        self.count = Counter({phase: len(self)} if self else {})
+
+    def __setitem__(self, rank: int, phase: str) -> None:
+        if rank in self:
+            self.count[self[rank]] -= 1
+        self.count[phase] += 1
+        super().__setitem__(rank, phase)
+
+    def unfinished(self) -> int:
+        return sum(n for phase, n in self.count.items() if phase not in ENDED)
 
 
 @dataclass(frozen=True)
@@ -90,7 +109,7 @@ class CellSupervisor:
     status: dict[int, str] = field(init=False, default_factory=dict)  # from each Done
 
     def __post_init__(self) -> None:
-        self.phase = {r: "running" for r in self.targets}
+        self.phase = _Phases(self.targets, "running")
         self.started = self.now
         self._next_sample = self.now + SAMPLE_EVERY
         self._pending: list[Action] = []
@@ -117,7 +136,7 @@ class CellSupervisor:
 
     @property
     def finished(self) -> bool:
-        return not self.unfinished
+        return not self.phase.unfinished()
 
     def waiting_in(self, rank: int) -> str | None:
         """The collective ``rank`` was last seen waiting in, if any."""
@@ -243,7 +262,7 @@ class CellSupervisor:
         if abort_at is not None and now >= abort_at:
             self.aborted_at, self.aborted_running = now, tuple(self.running)
             actions.append(Action("abort", self.aborted_running))
-        if now >= self._next_sample and self.running:
+        if now >= self._next_sample and self.phase.count["running"]:
             fast = self.first_failure is not None or self.interrupt_at is not None
             fast = fast and (self.aborted_at is None or now < self.aborted_at + self.grace)
             self._next_sample = now + (SAMPLE_FAST if fast else SAMPLE_EVERY)
@@ -259,7 +278,7 @@ class CellSupervisor:
         """The next time :meth:`due` has something to do (None: only events matter)."""
         if self.stopped or self.finished:
             return None
-        times = [self._next_sample] if self.running else []
+        times = [self._next_sample] if self.phase.count["running"] else []
         if self.timeout is not None and self.interrupt_at is None:
             times.append(self.started + self.timeout)
         if self.interrupt_at is not None:

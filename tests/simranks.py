@@ -1,0 +1,147 @@
+"""Simulated ranks: processes that speak nbddp's protocol to an attached pool, without torch.
+
+A test and benchmark helper (not a code path of nbddp): one process serves many
+ranks, each with the three connections a real rank opens (control, stdout,
+stderr), so the notebook side — handshake, fan-out, gather, streams, sinks —
+runs exactly as it does for torchrun ranks, at 1,024 ranks on one machine.
+
+A cell's code runs with ``exec`` in the rank's namespace (``rank`` and
+``world_size`` bound, ``print`` writing to the rank's stdout connection); there
+is no process group. ``python tests/simranks.py ADDRESS TOKEN_HEX WORLD FIRST
+COUNT [RANKS_PER_HOST]``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import selectors
+import subprocess
+import sys
+import types
+from multiprocessing.connection import Client
+from pathlib import Path
+
+P = None  # nbddp.protocol, loaded by _load_protocol()
+
+
+def _load_protocol():
+    """nbddp's protocol module under its own name (what the notebook unpickles), without
+    the package's __init__ where nbddp is not imported yet (it would import torch)."""
+    global P
+    if "nbddp" not in sys.modules:
+        package = types.ModuleType("nbddp")
+        package.__path__ = [str(Path(__file__).resolve().parent.parent / "src" / "nbddp")]
+        sys.modules["nbddp"] = package
+    P = importlib.import_module("nbddp.protocol")
+
+
+def parse_address(address: str):
+    if "/" in address:
+        return address, "AF_UNIX"
+    host, _, port = address.rpartition(":")
+    return (host, int(port)), "AF_INET"
+
+
+class SimRank:
+    def __init__(self, address: str, token: bytes, rank: int, world: int, per_host: int) -> None:
+        addr, family = parse_address(address)
+        self.rank = rank
+        pid = os.getpid()
+        self.control = Client(addr, family, authkey=token)
+        self.control.send_bytes(
+            P.dumps(
+                P.Hello(
+                    rank, world, rank % per_host, per_host, pid, f"sim{rank // per_host}", False
+                )
+            )
+        )
+        self.streams = {}
+        for name in ("stdout", "stderr"):
+            conn = Client(addr, family, authkey=token)
+            conn.send_bytes(P.dumps(P.StreamHello(rank, pid, name)))
+            self.streams[name] = conn
+        self.namespace = {"rank": rank, "world_size": world, "print": self._print}
+        self.control.send_bytes(P.dumps(P.Ready("gloo", "cpu")))
+
+    def _print(self, *args, sep=" ", end="\n", file=None, flush=False) -> None:
+        stream = "stderr" if file is sys.stderr else "stdout"
+        os.write(self.streams[stream].fileno(), (sep.join(map(str, args)) + end).encode())
+
+    def handle(self) -> bool:
+        """One message from the notebook; False when this rank is done."""
+        try:
+            msg = P.loads(self.control.recv_bytes())
+        except (EOFError, OSError):
+            return False
+        if isinstance(msg, P.Run):
+            status, error = "ok", None
+            try:
+                exec(msg.code, self.namespace)
+            except Exception as exc:
+                status = "error"
+                error = P.ErrorInfo(type(exc).__name__, str(exc), f"{type(exc).__name__}: {exc}")
+            for conn in self.streams.values():
+                os.write(conn.fileno(), P.end_marker(msg.cell))
+            self.control.send_bytes(P.dumps(P.Done(msg.cell, status, error=error)))
+        elif isinstance(msg, P.Query):
+            self.control.send_bytes(P.dumps(P.StatusReply(0, "cpu")))
+        elif isinstance(msg, P.StackQuery):
+            self.control.send_bytes(P.dumps(P.Stacks((), None)))
+        elif isinstance(msg, P.Shutdown):
+            return False
+        return True
+
+    def close(self) -> None:
+        for conn in (self.control, *self.streams.values()):
+            conn.close()
+
+
+def serve(address: str, token: bytes, world: int, first: int, count: int, per_host: int) -> None:
+    _load_protocol()
+    ranks = [SimRank(address, token, r, world, per_host) for r in range(first, first + count)]
+    selector = selectors.DefaultSelector()
+    for sim in ranks:
+        selector.register(sim.control, selectors.EVENT_READ, sim)
+    while selector.get_map():
+        for key, _ in selector.select():
+            sim = key.data
+            if not sim.handle():
+                selector.unregister(sim.control)
+                sim.close()
+
+
+def start(address: str, token: bytes, world: int, procs: int, per_host: int = 8) -> list:
+    """``procs`` processes serving ``world`` ranks between them; returns the Popen objects."""
+    share = -(-world // procs)
+    out = []
+    for first in range(0, world, share):
+        count = min(share, world - first)
+        out.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    address,
+                    token.hex(),
+                    str(world),
+                    str(first),
+                    str(count),
+                    str(per_host),
+                ],
+                start_new_session=True,
+            )
+        )
+    return out
+
+
+if __name__ == "__main__":
+    address, token, world, first, count, *rest = sys.argv[1:]
+    serve(
+        address,
+        bytes.fromhex(token),
+        int(world),
+        int(first),
+        int(count),
+        int(rest[0]) if rest else 8,
+    )
