@@ -44,23 +44,31 @@ def parse_address(address: str):
 
 
 class SimRank:
-    def __init__(self, address: str, token: bytes, rank: int, world: int, per_host: int) -> None:
+    def __init__(
+        self,
+        address: str,
+        token: bytes,
+        rank: int,
+        world: int,
+        per_host: int,
+        streams_first: bool = False,
+    ) -> None:
         addr, family = parse_address(address)
         self.rank = rank
         pid = os.getpid()
-        self.control = Client(addr, family, authkey=token)
-        self.control.send_bytes(
-            P.dumps(
-                P.Hello(
-                    rank, world, rank % per_host, per_host, pid, f"sim{rank // per_host}", False
-                )
-            )
-        )
+        host = f"sim{rank // per_host}"
+        hello = P.Hello(rank, world, rank % per_host, per_host, pid, host, False)
         self.streams = {}
+        if not streams_first:  # as a real rank does; the other order happens too, by timing
+            self.control = Client(addr, family, authkey=token)
+            self.control.send_bytes(P.dumps(hello))
         for name in ("stdout", "stderr"):
             conn = Client(addr, family, authkey=token)
             conn.send_bytes(P.dumps(P.StreamHello(rank, pid, name)))
             self.streams[name] = conn
+        if streams_first:
+            self.control = Client(addr, family, authkey=token)
+            self.control.send_bytes(P.dumps(hello))
         self.namespace = {"rank": rank, "world_size": world, "print": self._print}
         self.control.send_bytes(P.dumps(P.Ready("gloo", "cpu")))
 
@@ -97,9 +105,20 @@ class SimRank:
             conn.close()
 
 
-def serve(address: str, token: bytes, world: int, first: int, count: int, per_host: int) -> None:
+def serve(
+    address: str,
+    token: bytes,
+    world: int,
+    first: int,
+    count: int,
+    per_host: int,
+    streams_first: bool = False,
+) -> None:
     _load_protocol()
-    ranks = [SimRank(address, token, r, world, per_host) for r in range(first, first + count)]
+    ranks = [
+        SimRank(address, token, r, world, per_host, streams_first)
+        for r in range(first, first + count)
+    ]
     selector = selectors.DefaultSelector()
     for sim in ranks:
         selector.register(sim.control, selectors.EVENT_READ, sim)
@@ -111,24 +130,23 @@ def serve(address: str, token: bytes, world: int, first: int, count: int, per_ho
                 sim.close()
 
 
-def start(address: str, token: bytes, world: int, procs: int, per_host: int = 8) -> list:
+def start(
+    address: str,
+    token: bytes,
+    world: int,
+    procs: int,
+    per_host: int = 8,
+    streams_first: bool = False,
+) -> list:
     """``procs`` processes serving ``world`` ranks between them; returns the Popen objects."""
     share = -(-world // procs)
     out = []
     for first in range(0, world, share):
         count = min(share, world - first)
+        argv = [address, token.hex(), str(world), str(first), str(count), str(per_host)]
         out.append(
             subprocess.Popen(
-                [
-                    sys.executable,
-                    __file__,
-                    address,
-                    token.hex(),
-                    str(world),
-                    str(first),
-                    str(count),
-                    str(per_host),
-                ],
+                [sys.executable, __file__, *argv, *(["streams-first"] if streams_first else [])],
                 start_new_session=True,
             )
         )
@@ -136,12 +154,13 @@ def start(address: str, token: bytes, world: int, procs: int, per_host: int = 8)
 
 
 if __name__ == "__main__":
-    address, token, world, first, count, *rest = sys.argv[1:]
+    address, token, world, first, count, per_host, *flags = sys.argv[1:]
     serve(
         address,
         bytes.fromhex(token),
         int(world),
         int(first),
         int(count),
-        int(rest[0]) if rest else 8,
+        int(per_host),
+        "streams-first" in flags,
     )

@@ -48,11 +48,27 @@ CELLS = [
 ]
 
 
+# 16 ranks: the same lines fold into one, rank 7 fails before the collective
+CELLS_16 = [
+    "%load_ext nbddp",
+    "%%ddp -n 16\n"
+    "import time, torch.distributed as dist\n"
+    "for epoch in range(3):\n"
+    "    print(f'epoch {epoch} loss 0.25')\n"
+    "t = torch.ones(1)\n"
+    "if rank == 7:\n"
+    "    time.sleep(4)  # the live dashboard is looked at meanwhile\n"
+    "    raise ValueError('rank seven is unhappy')\n"
+    "dist.all_reduce(t)",
+]
+
+
 @pytest.fixture
-def lab(tmp_path):
+def lab(tmp_path, request):
     root = tmp_path / "root"
     root.mkdir()
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
+    cells = getattr(request, "param", CELLS)
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {
         "name": "python3",
         "display_name": "Python 3",
@@ -193,3 +209,44 @@ def test_a_rank_of_four_failing_before_a_collective_ends_the_cell_with_its_row_r
             )
     finally:
         page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lab", [CELLS_16], indirect=True)
+def test_sixteen_ranks_fold_their_lines_and_the_failed_rank_stands_out(lab, page):
+    expect = playwright.expect
+    url, _ = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    try:
+        page.goto(url)
+        expect(
+            page.locator(".jp-StatusBar-TextItem", has_text="Python 3 (ipykernel) | Idle")
+        ).to_be_visible(timeout=90_000)
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+        cell = page.locator(".jp-Notebook .jp-Cell").nth(1)
+        live = cell.locator(".nbddp-dashboard.nbddp-live")
+        expect(live).to_be_visible(timeout=120_000)
+        # 48 lines from 16 ranks are three folded lines
+        pane = live.locator(".nbddp-pane")
+        for epoch in range(3):
+            expect(pane).to_contain_text(f"[0-15] epoch {epoch} loss 0.25")
+        expect(pane.locator(".nbddp-line")).to_have_count(3)
+        # one rank's log, picked from the list
+        live.locator("select.nbddp-choose").select_option("7")
+        expect(pane).to_contain_text("epoch 2 loss 0.25")
+        expect(pane).not_to_contain_text("[0-15]")
+        page.screenshot(path=str(ARTIFACTS / "dashboard-16-live.png"), full_page=True)
+        error = cell.locator(
+            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+        )
+        expect(error).to_contain_text("rank 7: ValueError: rank seven is unhappy", timeout=120_000)
+        expect(cell.locator(".jp-InputArea-prompt")).not_to_contain_text("[*]")
+        failed = cell.locator(".nbddp-row.nbddp-failed")
+        expect(failed).to_have_count(1)
+        assert failed.get_attribute("data-rank") == "7"
+        expect(cell.locator(".nbddp-row.nbddp-freed")).to_have_count(15)
+        expect(cell.locator(".jupyter-widgets")).to_have_count(0)  # frozen
+        everyone = cell.locator("details.nbddp-log-all")
+        expect(everyone).to_contain_text("all ranks log (3 lines)")
+    finally:
+        page.screenshot(path=str(ARTIFACTS / "dashboard-16.png"), full_page=True)

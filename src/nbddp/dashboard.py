@@ -340,6 +340,7 @@ class Dashboard:
     LIVE_LINES = 400  # folded lines the live log holds
     FROZEN_LINES = 1000  # lines each log of a finished cell's static view keeps
     ROWS = 16  # larger pools show a summary instead of a row per rank
+    OWN_LOGS = 8  # larger pools keep only the notable ranks' own logs when frozen
 
     def __init__(
         self,
@@ -646,7 +647,7 @@ class Dashboard:
         """A static view for readers without a live kernel (saved notebooks, GitHub):
         the header, the rows, then the folded log of every rank (with ``all_ranks``; open
         when no rank failed) and each rank's own log (the last ``tail`` lines, a failed
-        rank's open; for large pools only the ranks whose row is shown)."""
+        rank's open; beyond OWN_LOGS ranks, only the failed, odd and slowest ranks')."""
         now = self.ended or self.clock()
         parts = [self._header_html(now), self._rows_html(now)]
         failed = any(v.state in FAILED_STATES for v in self.views.values())
@@ -657,7 +658,7 @@ class Dashboard:
                 + self._pane_html(list(self.log), self.dropped, tail, labelled=True)
                 + "</details>"
             )
-        own = sorted(self.views) if len(self.views) <= self.ROWS else self._notable(now)
+        own = sorted(self.views) if len(self.views) <= self.OWN_LOGS else self._notable(now)
         for rank in own:
             view = self.views[rank]
             if not view.lines:

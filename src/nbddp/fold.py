@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from dataclasses import dataclass, field
 
 __all__ = ["Folder", "Group", "rank_set"]
 
@@ -47,14 +46,16 @@ def rank_set(ranks: list[int] | tuple[int, ...]) -> str:
     return ",".join(out)
 
 
-@dataclass
 class Group:
-    seq: int
-    key: str
-    stream: str
-    text: str
-    born: float
-    ranks: list[int] = field(default_factory=list)
+    """One line as shown: its text and the ranks that printed it, in order of arrival."""
+
+    __slots__ = ("born", "key", "ranks", "seq", "stream", "text")
+
+    def __init__(
+        self, seq: int, key: str, stream: str, text: str, born: float, ranks=None
+    ) -> None:
+        self.seq, self.key, self.stream, self.text, self.born = seq, key, stream, text, born
+        self.ranks: list[int] = ranks if ranks is not None else []
 
     @property
     def label(self) -> str:
@@ -90,19 +91,44 @@ class Folder:
         """A whole line from ``rank``; returns the groups now ready, in order."""
         if self.window <= 0:
             return [Group(-1, line, stream, line, now, [rank])]
-        key = fold_key(line)
-        self.expect(rank)  # a rank outside the cell, or printing after its end
-        last = self._last[rank]
-        group = next((g for g in self._by_key.get((stream, key), ()) if g.seq > last), None)
+        # the hot path of every printed line: kept flat (1-2 us a line)
+        key = (stream, fold_key(line) if "%|" in line else line)
+        last = self._last.get(rank)
+        if last is None:  # a rank outside the cell, or printing after its end
+            self.expect(rank)
+            last = self._last[rank]
+        group = None
+        same = self._by_key.get(key)
+        if same is not None:
+            for g in same:
+                if g.seq > last:
+                    group = g
+                    break
         if group is None:
-            group = Group(self._seq, key, stream, line, now)
+            group = Group(self._seq, key[1], stream, line, now)
             self._seq += 1
             self._open.append(group)
-            self._by_key.setdefault((stream, key), []).append(group)
+            if same is None:
+                self._by_key[key] = [group]
+            else:
+                same.append(group)
         group.ranks.append(rank)
         group.text = line  # a bar shows its last (slowest) rank's state
-        self._move(rank, group.seq)
-        return self.due(now)
+        # the rank moves from group ``last`` to this one
+        at = self._at
+        at[last] -= 1
+        if not at[last]:
+            del at[last]
+            if last == self._low:
+                self._raise_low()
+        self._last[rank] = seq = group.seq
+        at[seq] = at.get(seq, 0) + 1
+        if seq < self._low:
+            self._low = seq
+        head = self._open[0]
+        if head.seq <= self._low or now - head.born >= self.window:
+            return self.due(now)
+        return []
 
     def expect(self, rank: int) -> None:
         """``rank`` runs from now on: lines opened from here wait for it (or the window)."""
@@ -136,10 +162,12 @@ class Folder:
 
     def _pop(self) -> Group:
         group = self._open.popleft()
-        same = self._by_key[(group.stream, group.key)]
-        same.remove(group)
-        if not same:
-            del self._by_key[(group.stream, group.key)]
+        key = (group.stream, group.key)
+        same = self._by_key[key]
+        if len(same) == 1:
+            del self._by_key[key]
+        else:
+            same.remove(group)
         return group
 
     def _enter(self, rank: int, seq: int) -> None:
@@ -147,18 +175,17 @@ class Folder:
         self._at[seq] = self._at.get(seq, 0) + 1
         self._low = min(self._low, seq)
 
-    def _move(self, rank: int, seq: int) -> None:
-        self._leave(self._last[rank])
-        self._enter(rank, seq)
-
     def _leave(self, seq: int) -> None:
         self._at[seq] -= 1
-        if self._at[seq]:
+        if not self._at[seq]:
+            del self._at[seq]
+            if seq == self._low:
+                self._raise_low()
+
+    def _raise_low(self) -> None:
+        """The oldest rank moved on: the next oldest, scanning up (once over a cell)."""
+        if not self._at:
+            self._low = _NEVER
             return
-        del self._at[seq]
-        if seq == self._low:  # the oldest rank moved on: the next oldest, scanning up once
-            if not self._at:
-                self._low = _NEVER
-                return
-            while self._low not in self._at:
-                self._low += 1
+        while self._low not in self._at:
+            self._low += 1
