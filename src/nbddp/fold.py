@@ -51,9 +51,7 @@ class Group:
 
     __slots__ = ("born", "key", "ranks", "seq", "stream", "text")
 
-    def __init__(
-        self, seq: int, key: str, stream: str, text: str, born: float, ranks=None
-    ) -> None:
+    def __init__(self, seq: int, key: str, stream: str, text: str, born: float, ranks=None) -> None:
         self.seq, self.key, self.stream, self.text, self.born = seq, key, stream, text, born
         self.ranks: list[int] = ranks if ranks is not None else []
 
