@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import stat
@@ -42,6 +43,14 @@ env = {k: os.environ[k] for k in
         assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
         assert int(env["MASTER_PORT"]) > 0
     assert values[0][2]["MASTER_PORT"] == values[1][2]["MASTER_PORT"]
+
+
+def test_the_heap_is_frozen_for_the_collector_only_while_a_cell_runs(pool):
+    assert gc.get_freeze_count() == 0
+    during = [gc.get_freeze_count() for _ in pool.run("print('x')")]
+    assert min(during[:-1]) > 0 and during[-1] == gc.get_freeze_count() == 0  # CellEnd: after
+    events = list(pool.run("1 / (rank - 1)"))  # a failing cell unfreezes too
+    assert events[-1].errors and gc.get_freeze_count() == 0
 
 
 def test_state_persists_across_cells(pool):

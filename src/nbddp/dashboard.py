@@ -99,11 +99,8 @@ class _Folding:
         return self._partial[key]
 
     def output(self, event: P.Output) -> list[Group]:
-        now = self.clock()
-        out = []
-        for line in self.lines(event.rank, event.stream).feed(event.text):
-            out += self.folder.feed(event.rank, event.stream, line, now)
-        return out
+        lines = self.lines(event.rank, event.stream).feed(event.text)
+        return self.folder.feed_lines(event.rank, event.stream, lines, self.clock())
 
     def add(self, rank: int, stream: str, line: str) -> list[Group]:
         return self.folder.feed(rank, stream, line, self.clock())

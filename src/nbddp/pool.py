@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import codecs
 import contextlib
+import gc
 import itertools
 import json
 import math
@@ -851,6 +852,12 @@ class Pool:
         )
         out = _Outcome(cell, targets)
         self._active = sup
+        # while a cell runs, the notebook does little but read the ranks' output, and the
+        # collector's full passes over the kernel's heap (torch and all) cost more than the
+        # reading: 400,000 lines took 3.7 s of notebook CPU, 1.5 s with the heap frozen
+        froze = gc.get_freeze_count() == 0  # a freeze of the user's own is left alone
+        if froze:
+            gc.freeze()
         pickled: dict[int, bytes] = {}
         for rank in targets:
             msg = runs[rank]
@@ -863,6 +870,8 @@ class Pool:
             while not sup.finished:
                 yield from self._cell_step(sup, out, tick)
         finally:
+            if froze:
+                gc.unfreeze()
             self._active = self._interrupt_request = None
             for shipment in shipments:  # every rank has loaded them by now
                 shipment.remove()
