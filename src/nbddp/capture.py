@@ -11,6 +11,7 @@ import ast
 import atexit
 import re
 import shutil
+import symtable
 import weakref
 
 from . import payload
@@ -126,28 +127,163 @@ def names_imported(statements: list[str]) -> set[str]:
 
 
 def names_read(code: str) -> list[str]:
-    """Names the cell reads and never binds itself (in order of first use)."""
+    """The names a cell reads from the notebook, in order of first use.
+
+    What the compiler sees: a name counts when a read of it resolves to the
+    module's globals (at the cell's top level, or inside a function, lambda,
+    class body or comprehension that does not bind it; ``symtable`` says which)
+    and comes before the cell binds it at its top level. Statements run in
+    order; a binding inside ``if``/``for``/``while``/``try``/``match`` counts
+    only within that block (it may not happen), one inside ``with`` counts
+    after it. A function's reads count where it is defined (it may be called at
+    once). Over-counting costs a shipment (a rank keeps its own value: shipped
+    names are bound only where unbound); under-counting is a NameError on the
+    ranks, so doubt counts the name in.
+    """
     try:
         tree = ast.parse(code)
     except SyntaxError:
         return []  # the ranks report the syntax error
-    bound: set[str] = set()
-    read: dict[str, None] = {}
-    for node in ast.walk(tree):
+    found: dict[str, None] = {}
+    _Scope(found).block(tree.body, set())
+    return list(found)
+
+
+class _Scope:
+    """The cell's top level, walked in execution order (see :func:`names_read`)."""
+
+    def __init__(self, found: dict[str, None]) -> None:
+        self.found = found
+
+    def block(self, body: list[ast.stmt], bound: set[str]) -> None:
+        for stmt in body:
+            self.statement(stmt, bound)
+
+    def read(self, nodes, bound: set[str]) -> None:
+        """What an expression reads (a walrus in it binds, at once)."""
+        reads, binds = _reads_and_binds(nodes)
+        for name in reads:
+            if name not in bound:
+                self.found.setdefault(name)
+        bound |= binds
+
+    def bind(self, nodes, bound: set[str]) -> None:
+        """Names assigned to by ``nodes`` (targets, patterns), after what they read."""
+        reads, binds = _reads_and_binds(nodes, targets=True)
+        for name in reads:
+            if name not in bound:
+                self.found.setdefault(name)
+        bound |= binds
+
+    def statement(self, stmt: ast.stmt, bound: set[str]) -> None:
+        if isinstance(stmt, ast.If | ast.While):
+            self.read([stmt.test], bound)
+            self.block(stmt.body, set(bound))
+            self.block(stmt.orelse, set(bound))
+        elif isinstance(stmt, ast.For | ast.AsyncFor):
+            self.read([stmt.iter], bound)
+            inner = set(bound)
+            self.bind([stmt.target], inner)
+            self.block(stmt.body, inner)
+            self.block(stmt.orelse, set(bound))
+        elif isinstance(stmt, ast.With | ast.AsyncWith):
+            for item in stmt.items:
+                self.read([item.context_expr], bound)
+                if item.optional_vars is not None:
+                    self.bind([item.optional_vars], bound)
+            self.block(stmt.body, bound)  # it runs (or the cell fails)
+        elif isinstance(stmt, ast.Try | getattr(ast, "TryStar", ast.Try)):
+            self.block(stmt.body, set(bound))
+            for handler in stmt.handlers:
+                inner = set(bound)
+                if handler.type is not None:
+                    self.read([handler.type], inner)
+                if handler.name:
+                    inner.add(handler.name)
+                self.block(handler.body, inner)
+            self.block(stmt.orelse, set(bound))
+            self.block(stmt.finalbody, set(bound))
+        elif isinstance(stmt, ast.Match):
+            self.read([stmt.subject], bound)
+            for case in stmt.cases:
+                inner = set(bound)
+                self.bind([case.pattern], inner)
+                if case.guard is not None:
+                    self.read([case.guard], inner)
+                self.block(case.body, inner)
+        else:  # a simple statement, a def or a class: what it reads, then what it binds
+            reads, binds = _reads_and_binds([stmt])
+            for name in reads:
+                if name not in bound:
+                    self.found.setdefault(name)
+            bound |= binds
+
+
+def _reads_and_binds(nodes: list[ast.AST], targets: bool = False) -> tuple[list[str], set[str]]:
+    """Global reads (in order of first appearance) and top-level bindings of ``nodes``,
+    from ``symtable`` run on them as a little module of their own.
+
+    ``targets``: the nodes are assignment targets or a match pattern.
+    """
+    if targets:
+        if isinstance(nodes[0], ast.pattern):
+            wrapped = ast.Match(
+                subject=ast.Name("_", ast.Load()),
+                cases=[ast.match_case(pattern=nodes[0], guard=None, body=[ast.Pass()])],
+            )
+        else:
+            wrapped = ast.Assign(targets=list(nodes), value=ast.Constant(None))
+        body: list[ast.stmt] = [wrapped]
+    else:
+        body = [n if isinstance(n, ast.stmt) else ast.Expr(n) for n in nodes]
+    module = ast.fix_missing_locations(ast.Module(body=body, type_ignores=[]))
+    source = ast.unparse(module)
+    try:
+        top = symtable.symtable(source, "<cell>", "exec")
+    except SyntaxError:  # top-level await and the like: every name counts as read
+        names = [n.id for n in ast.walk(module) if isinstance(n, ast.Name)]
+        return list(dict.fromkeys(names)), set()
+    reads: set[str] = set()
+    binds: set[str] = set()
+    for sym in top.get_symbols():
+        if sym.is_referenced():
+            reads.add(sym.get_name())
+        if sym.is_assigned() or sym.is_imported():
+            binds.add(sym.get_name())
+    # x += 1 reads x, though symtable marks it only as assigned
+    augmented = {
+        n.target.id
+        for n in ast.walk(module)
+        if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name)
+    }
+    reads |= augmented & binds
+    stack = [(table, True) for table in top.get_children()]
+    while stack:  # functions, lambdas, classes, comprehensions: the globals they read
+        table, at_once = stack.pop()
+        # a list, set or dict comprehension runs where it stands: its walrus binds here
+        at_once = at_once and table.get_name() in ("listcomp", "setcomp", "dictcomp")
+        stack += [(child, at_once) for child in table.get_children()]
+        for sym in table.get_symbols():
+            if not sym.is_global():
+                continue
+            name = sym.get_name()
+            if sym.is_referenced() or (sym.is_assigned() and name in augmented):
+                reads.add(name)
+            if at_once and sym.is_assigned():
+                binds.add(name)
+    # del x needs x; a wrapped match reads no "_" of ours
+    reads |= {
+        n.id for n in ast.walk(module) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Del)
+    }
+    if targets and isinstance(nodes[0], ast.pattern):
+        reads.discard("_")
+    first: dict[str, tuple[int, int]] = {}
+    for node in ast.walk(module):
         if isinstance(node, ast.Name):
-            if isinstance(node.ctx, ast.Load):
-                read.setdefault(node.id)
-            else:
-                bound.add(node.id)
-        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            bound.add(node.name)
-        elif isinstance(node, ast.Import | ast.ImportFrom):
-            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, ast.arg):
-            bound.add(node.arg)
-        elif isinstance(node, ast.ExceptHandler) and node.name:
-            bound.add(node.name)
-    return [n for n in read if n not in bound]
+            first.setdefault(node.id, (node.lineno, node.col_offset))
+            first[node.id] = min(first[node.id], (node.lineno, node.col_offset))
+    ordered = sorted(reads, key=lambda n: first.get(n, (1 << 30, 0)))
+    return ordered, binds
 
 
 def import_statements(code: str) -> list[str]:

@@ -533,7 +533,7 @@ class DDPMagics(Magics):
         """Names the cell reads that only the notebook has, and imports to replay; said once."""
         try:
             objects, sizes, notes = capture.select_auto(
-                cell,
+                self.shell.transform_cell(cell),  # what the ranks compile: magics made calls
                 self.shell.user_ns,
                 pool.names_on(ranks),
                 explicit,
