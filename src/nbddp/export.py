@@ -29,6 +29,8 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .capture import names_read
+
 __all__ = ["Exported", "export", "export_notebook", "globals_read"]
 
 # names every rank has without the notebook (nbddp binds them; torch is imported below)
@@ -51,25 +53,8 @@ if device.type == "cuda":
 
 
 def globals_read(code: str) -> set[str]:
-    """Global names ``code`` reads (at module level or from any function or class in it).
-
-    From ``symtable``: a module-level name counts when it is read and not bound;
-    a nested scope's global or free-at-module names count when read.
-    """
-    table = symtable.symtable(code, "<export>", "exec")
-    found = {
-        s.get_name()
-        for s in table.get_symbols()
-        if s.is_referenced() and not (s.is_assigned() or s.is_imported())
-    }
-    stack = list(table.get_children())
-    while stack:
-        child = stack.pop()
-        stack += child.get_children()
-        for s in child.get_symbols():
-            if s.is_referenced() and s.is_global():
-                found.add(s.get_name())
-    return found
+    """Global names ``code`` reads before binding them (:func:`nbddp.capture.names_read`)."""
+    return set(names_read(code))
 
 
 @dataclass
