@@ -251,7 +251,9 @@ class Pool:
         self._cells = itertools.count(1)
         self._lost = False  # a rank died: the next use restarts and says state was lost
         self._active: CellSupervisor | None = None  # the cell running now
-        self._interrupt_request: str | None = None  # set by interrupt(), from any thread
+        # interrupt() from any thread: (cell, when), kept until that cell has acted on it
+        self._interrupt_request: tuple[int, float] | None = None
+        self._pending_cell: int | None = None  # run() made it; it has not ended yet
         self.last_stacks: dict[int, tuple] = {}  # where the ranks were at the last interrupt
         self._closed = False
         self._generation = 0
@@ -828,9 +830,18 @@ class Pool:
             for display in (False, True)
         }
         runs = {r: run[r in shown] for r in targets}
+        self._pending_cell = cell  # an interrupt from now on is for this cell
         return self._cell(cell, runs, timeout, tick, [s for s in (needs, auto) if s])
 
-    def _cell(
+    def _cell(self, cell: int, *args):
+        sigint = self._catch_sigint(cell)  # first: from here Ctrl-C is an interrupt request
+        try:
+            yield from self._cell_body(cell, *args)
+        finally:
+            if sigint is not None:
+                signal.signal(signal.SIGINT, sigint)
+
+    def _cell_body(
         self,
         cell: int,
         runs: dict[int, P.Run],
@@ -858,21 +869,25 @@ class Pool:
         froze = gc.get_freeze_count() == 0  # a freeze of the user's own is left alone
         if froze:
             gc.freeze()
-        pickled: dict[int, bytes] = {}
-        for rank in targets:
-            msg = runs[rank]
-            if id(msg) not in pickled:
-                pickled[id(msg)] = P.dumps(msg)
-            self._ranks[rank].state = "running"
-            self._ranks[rank].send_bytes(pickled[id(msg)])
-            yield P.RankState(rank, "running")
         try:
+            pickled: dict[int, bytes] = {}
+            for rank in targets:
+                msg = runs[rank]
+                if id(msg) not in pickled:
+                    pickled[id(msg)] = P.dumps(msg)
+                self._ranks[rank].state = "running"
+                self._ranks[rank].send_bytes(pickled[id(msg)])
+                yield P.RankState(rank, "running")
             while not sup.finished:
                 yield from self._cell_step(sup, out, tick)
         finally:
             if froze:
                 gc.unfreeze()
-            self._active = self._interrupt_request = None
+            self._active = None
+            if self._pending_cell == cell:
+                self._pending_cell = None
+            if self._interrupt_request is not None and self._interrupt_request[0] == cell:
+                self._interrupt_request = None  # the cell ended: it was answered
             for shipment in shipments:  # every rank has loaded them by now
                 shipment.remove()
             if not sup.finished:  # the consumer gave up on us: leave nothing running
@@ -908,7 +923,7 @@ class Pool:
         try:
             items = self._pump(max(0.0, min(limits) - now) if limits else None)
         except KeyboardInterrupt:
-            self._interrupt_request = self._interrupt_request or "interrupt"
+            self.interrupt()
             return
         if not items and tick_at is not None and time.monotonic() >= tick_at:
             yield P.Tick()
@@ -920,14 +935,14 @@ class Pool:
         """Carry out what the supervisor says is due (and an interrupt asked for)."""
         now = time.monotonic()
         actions = []
-        if self._interrupt_request is not None:
-            reason, self._interrupt_request = self._interrupt_request, None
-            actions += sup.interrupt(reason, now)
+        request = self._interrupt_request
+        if request is not None and request[0] == sup.cell and sup.interrupted is None:
+            actions += sup.interrupt("interrupt", now)
         for action in actions + sup.due(now):
             if action.kind == "stacks":
                 self._send(action.ranks, P.StackQuery())
             elif action.kind == "interrupt":
-                self._send(action.ranks, P.Interrupt())
+                self._send(action.ranks, P.Interrupt(sup.cell))
             elif action.kind == "abort":
                 live = [r.rank for r in self._ranks.values() if r.state in ("idle", "running")]
                 self._send(live, P.AbortGroup(sup.cell))
@@ -1077,14 +1092,43 @@ class Pool:
         self._lost = True
 
     def interrupt(self) -> None:
-        """Interrupt the running cell on every rank running it (from any thread).
+        """Interrupt the cell that runs, or is about to run, on every rank running it.
 
-        Without a running cell, there is nothing to interrupt.
+        From any thread. An interrupt is never lost: it holds until its cell has
+        acted on it, and ranks that have not started the cell yet raise it as they
+        start. Without a cell, there is nothing to interrupt.
         """
-        if self._active is not None:
-            self._interrupt_request = self._interrupt_request or "interrupt"
-            with contextlib.suppress(BlockingIOError):
-                os.write(self._wake_w, b"!")
+        cell = self._active.cell if self._active is not None else self._pending_cell
+        if cell is None:
+            return
+        if self._interrupt_request is None or self._interrupt_request[0] != cell:
+            self._interrupt_request = (cell, time.monotonic())
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"!")
+
+    def _catch_sigint(self, cell: int):
+        """While ``cell`` runs, Ctrl-C and the stop button interrupt it instead of raising
+        KeyboardInterrupt wherever the notebook happens to be (a half-handled message,
+        a half-sent Run). Returns the handler to restore (None: not the main thread).
+
+        If the pool itself does not answer (the cell still runs ``grace`` + 5 s after
+        an interrupt), the next Ctrl-C raises KeyboardInterrupt as usual.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def on_sigint(signum, frame) -> None:
+            request = self._interrupt_request
+            stuck = request is not None and time.monotonic() - request[1] > self.grace + 5.0
+            if stuck and request[0] == cell:
+                raise KeyboardInterrupt
+            self.interrupt()
+
+        previous = signal.getsignal(signal.SIGINT)
+        if previous is None:  # a handler not set from Python: leave it alone
+            return None
+        signal.signal(signal.SIGINT, on_sigint)
+        return previous
 
     def run_script(
         self, path: str, argv: list[str] | tuple[str, ...] = (), *, keep: bool = False, **kwargs

@@ -71,7 +71,7 @@ __all__ = [
     "split_markers",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 # ---------------------------------------------------------------- data
@@ -206,7 +206,10 @@ class Run:
 
 @dataclass(frozen=True)
 class Interrupt:
-    pass
+    """Interrupt ``cell``: a rank that has not started it yet raises KeyboardInterrupt as
+    it starts; a rank whose cell has ended ignores it."""
+
+    cell: int
 
 
 @dataclass(frozen=True)

@@ -262,6 +262,42 @@ class _LineWriter(io.TextIOWrapper):
 # ---------------------------------------------------------------- the worker
 
 
+class CellInterrupts:
+    """Which cell an interrupt is for, in whatever order Run, Interrupt and the cell's end
+    come: the receiver thread calls :meth:`request`, the main thread :meth:`start` and
+    :meth:`end`. An interrupt for a cell not started yet waits for it; one for a cell
+    that has ended is dropped."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.running: int | None = None  # the cell the main thread runs
+        self.ended = 0  # the newest cell that has ended here
+        self.pending: int | None = None  # an interrupt for a cell still to come
+
+    def request(self, cell: int) -> bool:
+        """True: the main thread runs ``cell`` now; interrupt it."""
+        with self._lock:
+            if cell == self.running:
+                return True
+            if cell > self.ended:
+                self.pending = max(self.pending or 0, cell)
+            return False
+
+    def start(self, cell: int) -> bool:
+        """The main thread starts ``cell``; True when it was interrupted already."""
+        with self._lock:
+            self.running = cell
+            hit = self.pending == cell
+            if self.pending is not None and self.pending <= cell:
+                self.pending = None
+            return hit
+
+    def end(self, cell: int) -> None:
+        with self._lock:
+            self.running = None
+            self.ended = max(self.ended, cell)
+
+
 class Worker:
     """A rank's life: handshake, process group, then cells until told to stop."""
 
@@ -278,6 +314,7 @@ class Worker:
         self.send_lock = threading.Lock()
         self.running = False
         self.cell: int | None = None  # the cell the main thread runs
+        self.interrupts = CellInterrupts()
         self.abort_cell: int | None = None  # the group was aborted during this cell
         self.group_sockets: dict[int, int] = {}  # the default group's sockets: fd -> inode
         self.joining = False  # nbddp itself is forming the group (the shims step aside)
@@ -312,7 +349,7 @@ class Worker:
             except (EOFError, OSError):
                 self._exit(1)  # the notebook went away
             if isinstance(msg, P.Interrupt):
-                if self.running:
+                if self.interrupts.request(msg.cell):
                     os.kill(os.getpid(), signal.SIGINT)
             elif isinstance(msg, P.Query):
                 self.send(P.StatusReply(psutil.Process().memory_info().rss, self.device))
@@ -593,6 +630,8 @@ class Worker:
         rich.set_displaying(msg.display)
         self.cell, self.running = msg.cell, True
         try:
+            if self.interrupts.start(msg.cell):  # it came before the cell did
+                raise KeyboardInterrupt
             if msg.imports:
                 run_code(msg.imports, f"{CELL_PREFIX}imports>", self.namespace)
             if msg.needs:
@@ -612,6 +651,7 @@ class Worker:
             )
         finally:
             self.running = False
+            self.interrupts.end(msg.cell)
         if self.abort_cell == msg.cell:  # freed from a collective, or done meanwhile:
             self._abort_group()  # close this rank's side too, so peers it talks to are freed
         self._show(value if status == "ok" else None)

@@ -1,0 +1,140 @@
+"""An interrupt is never lost: whenever it comes, the cell it was for ends interrupted
+and every rank keeps its state; one for a cell that has ended does nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from nbddp import Pool
+from nbddp import protocol as P
+from nbddp.worker import CellInterrupts
+
+# ---------------------------------------------------------------- one rank's bookkeeping
+
+
+def test_an_interrupt_while_the_cell_runs_interrupts_it_now():
+    c = CellInterrupts()
+    assert not c.start(1)
+    assert c.request(1)
+
+
+def test_an_interrupt_before_its_cell_starts_is_raised_as_it_starts():
+    c = CellInterrupts()
+    assert not c.request(1)  # Run is still queued: nothing to signal yet
+    assert c.start(1)
+
+
+def test_an_interrupt_for_an_ended_cell_is_dropped():
+    c = CellInterrupts()
+    c.start(1)
+    c.end(1)
+    assert not c.request(1)
+    assert not c.start(2)  # and it does not hit the next cell
+
+
+def test_an_interrupt_for_the_next_cell_waits_for_it_not_for_this_one():
+    c = CellInterrupts()
+    c.start(1)
+    assert not c.request(2)
+    c.end(1)
+    assert c.start(2)
+
+
+def test_an_interrupt_for_a_cell_that_never_ran_here_does_not_hit_a_later_one():
+    c = CellInterrupts()
+    assert not c.request(3)  # cell 3 ran on other ranks only (--ranks)
+    assert not c.start(4)
+
+
+@pytest.mark.parametrize("order", ["request start end", "start request end", "start end request"])
+def test_every_order_of_run_interrupt_and_done(order):
+    c = CellInterrupts()
+    signalled = raised = False
+    for step in order.split():
+        if step == "request":
+            signalled = c.request(5)
+        elif step == "start":
+            raised = c.start(5)
+        else:
+            c.end(5)
+    interrupted = signalled or raised
+    assert interrupted == (order != "start end request")
+    assert c.pending is None and c.running is None
+
+
+# ---------------------------------------------------------------- real ranks
+
+LOOP = "import time\nwhile True:\n    time.sleep(0.001)"
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def ranks(request):
+    with Pool(request.param, grace=3.0) as pool:
+        pool.execute("kept = rank * 10")
+        yield pool
+
+
+def until_the_end(pool: Pool, events) -> P.CellEnd:
+    """Consume a cell's events as the magics do: a KeyboardInterrupt that lands here
+    (before the cell took Ctrl-C over) is passed on as an interrupt."""
+    while True:
+        try:
+            for event in events:
+                if isinstance(event, P.CellEnd):
+                    return event
+            raise AssertionError("the events ended without a CellEnd")
+        except KeyboardInterrupt:
+            pool.interrupt()
+
+
+def interrupted_cell(pool: Pool, after: float, how) -> P.CellEnd:
+    timer = threading.Timer(after, how)
+    events = pool.run(LOOP)
+    try:
+        timer.start()  # the clock starts as run() returns, before the cell is sent
+    except KeyboardInterrupt:  # Ctrl-C at once: it lands here, as it would in the magics
+        pool.interrupt()
+    try:
+        return until_the_end(pool, events)
+    finally:
+        timer.cancel()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("after_ms", [0, 1, 5, 20, 100])
+def test_an_interrupt_at_any_moment_ends_the_cell_and_keeps_state(ranks, after_ms):
+    for _ in range(20):
+        t0 = time.monotonic()
+        end = interrupted_cell(ranks, after_ms / 1000, ranks.interrupt)
+        assert end.interrupted == "interrupt", end
+        assert not end.errors and not end.exits and not ranks.needs_restart
+        assert time.monotonic() - t0 < after_ms / 1000 + ranks.grace  # not the last resort
+    assert ranks.execute("kept") == [r * 10 for r in range(ranks.world_size)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("after_ms", [0, 5, 50])
+def test_ctrl_c_at_any_moment_interrupts_the_cell_and_raises_nothing(ranks, after_ms):
+    for _ in range(5):
+        end = interrupted_cell(ranks, after_ms / 1000, lambda: os.kill(os.getpid(), signal.SIGINT))
+        assert end.interrupted == "interrupt" and not ranks.needs_restart
+    assert ranks.execute("kept") == [r * 10 for r in range(ranks.world_size)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("timeout", [0.001, 0.005, 0.02])
+def test_a_timeout_shorter_than_the_start_of_the_cell_still_ends_it(ranks, timeout):
+    for _ in range(5):
+        end = until_the_end(ranks, ranks.run(LOOP, timeout=timeout))
+        assert end.interrupted == "timeout" and not ranks.needs_restart
+    assert ranks.execute("kept") == [r * 10 for r in range(ranks.world_size)]
+
+
+def test_an_interrupt_between_cells_does_nothing(ranks):
+    ranks.interrupt()
+    assert ranks.execute("kept") == [r * 10 for r in range(ranks.world_size)]
