@@ -9,7 +9,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from .payload import _write
+from .payload import _write, private_dir, shm_dir
 
 __all__ = ["all_to_all", "gather_tensors"]
 
@@ -29,6 +29,21 @@ def all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     return out
 
 
+def _gather_folder(me: int, dst: int) -> str:
+    """Where this call's tensors go: inside the pool's own shared-memory folder (removed
+    with the pool, swept if the notebook died); under torchrun without a pool, a private
+    folder the lowest rank makes (swept if it dies) and names to the others."""
+    n = next(_calls)
+    pool_dir = os.environ.get("NBDDP_SHM_DIR")
+    if pool_dir:
+        folder = os.path.join(private_dir(pool_dir), f"gather-{n}")
+        os.makedirs(folder, mode=0o700, exist_ok=True)  # in a folder only we can enter
+        return folder
+    box = [shm_dir() if me == dst else None]
+    dist.broadcast_object_list(box, src=dst)
+    return box[0]
+
+
 def gather_tensors(t: torch.Tensor, ranks: list[int] | None = None) -> list[torch.Tensor]:
     """Gather same-shaped tensors from ``ranks`` (all by default) to the lowest of them.
 
@@ -44,9 +59,7 @@ def gather_tensors(t: torch.Tensor, ranks: list[int] | None = None) -> list[torc
         everything = [torch.empty_like(t) for _ in range(world)] if me == dst else None
         dist.gather(t.contiguous(), everything, dst=dst)
         return [everything[r] for r in ranks] if me == dst else []
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-    folder = os.path.join(base, f"nbddp-gather-{os.environ.get('MASTER_PORT')}-{next(_calls)}")
-    os.makedirs(folder, mode=0o700, exist_ok=True)
+    folder = _gather_folder(me, dst)
     if me in ranks:
         _write(os.path.join(folder, str(me)), t)
     dist.barrier()

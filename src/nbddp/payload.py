@@ -26,7 +26,7 @@ import tempfile
 import cloudpickle
 import torch
 
-__all__ = ["SHM_MIN_BYTES", "Shipment", "dumps", "loads", "shm_dir"]
+__all__ = ["SHM_MIN_BYTES", "Shipment", "dumps", "loads", "private_dir", "shm_dir"]
 
 SHM_MIN_BYTES = 1 << 20
 _counter = itertools.count()
@@ -41,6 +41,23 @@ def shm_dir() -> str:
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     _sweep(base or tempfile.gettempdir())
     return tempfile.mkdtemp(prefix=f"nbddp-{os.getpid()}-", dir=base)
+
+
+def private_dir(path: str) -> str:
+    """``path`` if it is a directory only this user can enter, else a one-line error:
+    nothing is written into a folder someone else made or can read."""
+    import stat
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise RuntimeError(f"nbddp's shared-memory folder {path} is gone") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise RuntimeError(
+            f"refusing to write into {path}: not a private nbddp folder of this user "
+            f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)})"
+        )
+    return path
 
 
 def _sweep(base: str) -> None:

@@ -726,7 +726,8 @@ class Worker:
     def _shm_dir(self) -> str:
         """The pool's shared-memory directory (the notebook removes it), else one of ours."""
         if self.ship_dir is None:
-            self.ship_dir = os.environ.get("NBDDP_SHM_DIR") or payload.shm_dir()
+            pool_dir = os.environ.get("NBDDP_SHM_DIR")
+            self.ship_dir = payload.private_dir(pool_dir) if pool_dir else payload.shm_dir()
         return self.ship_dir
 
     def _end_streams(self, cell: int) -> None:
