@@ -50,7 +50,8 @@ def cell(pool: Pool, code: str, sink=None) -> tuple[float, float]:
             sink.handle(event)
     if sink is not None:
         sink.close(end)
-    assert end is not None and not end.errors, end
+    assert end is not None, "no CellEnd"
+    assert not end.errors, end
     return time.perf_counter() - t0, time.process_time() - c0
 
 

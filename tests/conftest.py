@@ -19,7 +19,7 @@ def pool(shared_pool):
     if shared_pool.needs_restart or not shared_pool.started:
         shared_pool.restart()
     shared_pool.notes.clear()
-    yield shared_pool
+    return shared_pool
 
 
 @pytest.fixture

@@ -171,7 +171,8 @@ def test_seed_every_rank_at_start_and_after_a_restart():
             "import random, numpy\n(torch.rand(2).tolist(), random.random(), numpy.random.rand())"
         )
         first = pool.execute(code)
-        assert first[0] == first[1] and first[0][0] == expected
+        assert first[0] == first[1]
+        assert first[0][0] == expected
         pool.restart()
         assert pool.execute(code) == first
 
@@ -276,7 +277,8 @@ def test_log_dir_tee_and_error_files_through_the_magics(tmp_path, capsys):
         )
         shown = capsys.readouterr()
         assert not result.success
-        assert "[rank 0] hello from 0" in shown.out and "hello from 1" not in shown.out
+        assert "[rank 0] hello from 0" in shown.out
+        assert "hello from 1" not in shown.out
         for rank in (0, 1):
             assert (logs / str(rank) / "stdout.log").read_text() == f"hello from {rank}\n"
             assert (logs / str(rank) / "stderr.log").read_text() == f"warn {rank}\n"

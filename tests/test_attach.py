@@ -67,7 +67,8 @@ def end_all(procs) -> None:
 def test_the_token_file_is_made_private_and_reused(tmp_path):
     path = tmp_path / "dir" / "token"
     first = launch.read_or_create_token(str(path))
-    assert len(first) == 64 and oct(path.stat().st_mode & 0o777) == "0o600"
+    assert len(first) == 64
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
     assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
     assert launch.read_or_create_token(str(path)) == first
 
@@ -128,7 +129,8 @@ def test_two_torchrun_nodes_attach_and_stop_ends_them(token_file, tmp_path):
                 "dist.barrier()"
             )
         )
-        assert next(iter(end.errors)) == 2 and "re-formed" in end.notes[0]
+        assert next(iter(end.errors)) == 2
+        assert "re-formed" in end.notes[0]
         assert pool.execute("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == [4.0] * 4
         pool.stop()
         assert [n.wait(60) for n in nodes] == [0, 0]  # torchrun ends cleanly
@@ -183,7 +185,8 @@ def test_a_worker_without_its_token_file_fails_clearly(tmp_path):
         timeout=60,
     )
     assert out.returncode != 0
-    assert "cannot read the token file" in out.stderr and "No such file" in out.stderr
+    assert "cannot read the token file" in out.stderr
+    assert "No such file" in out.stderr
 
 
 def test_garbage_and_half_open_connections_do_not_disturb_the_pool(lone):
@@ -227,7 +230,8 @@ def test_attach_through_the_magic(token_file, tmp_path, capsys):
         out = capsys.readouterr().out
         assert f"listening on 127.0.0.1:{port}; on each node run:" in out
         assert f"-m nbddp.worker --connect 127.0.0.1:{port} --token-file {token_file}" in out
-        assert "1/1 ranks connected" in out and "attached 1 ranks on 1 host" in out
+        assert "1/1 ranks connected" in out
+        assert "attached 1 ranks on 1 host" in out
         assert shell.run_cell("%%ddp --text\nprint('remote', rank)").success
         assert "[rank 0] remote 0" in capsys.readouterr().out
         shell.run_cell("%ddp status")

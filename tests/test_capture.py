@@ -98,11 +98,14 @@ def test_import_statements_of_notebook_code():
 
 
 def test_sizes_parse_and_print():
-    assert parse_size("100MB") == 100 * 2**20 and parse_size("1.5GB") == int(1.5 * 2**30)
-    assert parse_size("512kb") == 512 * 2**10 and parse_size("3") == 3 * 2**20
+    assert parse_size("100MB") == 100 * 2**20
+    assert parse_size("1.5GB") == int(1.5 * 2**30)
+    assert parse_size("512kb") == 512 * 2**10
+    assert parse_size("3") == 3 * 2**20
     with pytest.raises(CaptureError, match="not a size"):
         parse_size("lots")
-    assert human(512) == "512 B" and human(3 * 2**20) == "3.0 MB"
+    assert human(512) == "512 B"
+    assert human(3 * 2**20) == "3.0 MB"
 
 
 def test_auto_selection_rules():
@@ -127,7 +130,9 @@ def test_auto_selection_rules():
         imported={"np"},
         already_sent=lambda name, obj: name == "lock",  # never even sized, so no note
     )
-    assert list(chosen) == ["data"] and sizes == {"data": sizes["data"]} and sizes["data"] > 0
+    assert list(chosen) == ["data"]
+    assert sizes == {"data": sizes["data"]}
+    assert sizes["data"] > 0
     assert notes == [
         "big not shipped automatically: 4.0 MB is over the 1.0 MB limit (name it with --need big)",
     ]
@@ -231,8 +236,10 @@ def needed(code: str, notebook: dict) -> list[str]:
                 exec(compile(code, "<cell>", "exec"), namespace)
             return names
         except NameError as exc:
-            assert exc.name in notebook and exc.name not in names, exc
-            names.append(exc.name)
+            missing = exc.name
+        assert missing in notebook, missing
+        assert missing not in names, missing
+        names.append(missing)
 
 
 def test_the_cells_cover_the_scoping_rules():

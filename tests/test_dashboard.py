@@ -159,9 +159,12 @@ def test_rows_show_state_elapsed_and_last_line():
     d.handle(P.RankState(0, "done"))
     d.close(P.CellEnd(1, (0, 1)))
     rows = d.widget.rows
-    assert "nbddp-row nbddp-done" in rows and "nbddp-row nbddp-running" in rows
-    assert "1.5 s" in rows and "epoch 2" in rows
-    assert "2 of 2 ranks" in d.widget.header and "gloo" in d.widget.header
+    assert "nbddp-row nbddp-done" in rows
+    assert "nbddp-row nbddp-running" in rows
+    assert "1.5 s" in rows
+    assert "epoch 2" in rows
+    assert "2 of 2 ranks" in d.widget.header
+    assert "gloo" in d.widget.header
 
 
 def test_a_failed_rank_turns_red_and_its_log_opens():
@@ -173,7 +176,8 @@ def test_a_failed_rank_turns_red_and_its_log_opens():
     d.close(P.CellEnd(1, (0, 1, 2), errors={2: P.ErrorInfo("E", "m", "tb")}))
     assert d.widget.focus == 2
     row = d.widget.rows.split("data-rank='2'")[1].split("</tr>")[0]
-    assert "background:#fde7e7" in row and "#c62828" in row
+    assert "background:#fde7e7" in row
+    assert "#c62828" in row
     assert "failed" in d.widget.header
 
 
@@ -221,7 +225,9 @@ def test_a_frozen_rank_log_keeps_a_bounded_tail_and_counts_what_it_dropped():
     d.close(P.CellEnd(1, (0,)))
     rank0 = d.summary_html(1000).split("data-rank='0'>")[-1]
     assert "… 150 earlier lines not shown" in rank0
-    assert "line 149\n" not in rank0 and "line 150\n" in rank0 and "line 249\n" in rank0
+    assert "line 149\n" not in rank0
+    assert "line 150\n" in rank0
+    assert "line 249\n" in rank0
 
 
 def test_a_progress_bar_with_carriage_returns_is_one_updating_line():
@@ -229,7 +235,8 @@ def test_a_progress_bar_with_carriage_returns_is_one_updating_line():
     d.handle(P.Output(0, "stdout", "train:  10%|#    |\r"))
     clock.t = 1.0
     d.handle(P.Output(0, "stdout", "train:  50%|##   |\r"))
-    assert "train:  50%" in d.widget.rows and "train:  10%" not in d.widget.rows
+    assert "train:  50%" in d.widget.rows
+    assert "train:  10%" not in d.widget.rows
     d.handle(P.Output(0, "stdout", "train: 100%|#####|\n"))
     d.close(P.CellEnd(1, (0,)))
     assert [g.text for g in d.log] == ["train: 100%|#####|"]
@@ -239,7 +246,8 @@ def test_nbddp_progress_shows_as_a_bar_in_the_row():
     d, clock = dashboard(ranks=(0,))
     clock.t = 1.0
     d.handle(P.RankProgress(0, 25, 100, "steps"))
-    assert "width:25%" in d.widget.rows and "steps 25/100" in d.widget.rows
+    assert "width:25%" in d.widget.rows
+    assert "steps 25/100" in d.widget.rows
     d.close(None)
 
 
@@ -269,7 +277,8 @@ def test_a_finished_cell_is_frozen_to_static_html_and_its_widget_closed():
     bundle = d.frozen_bundle()
     assert set(bundle) == {"text/plain", "text/html"}  # no widget state is saved
     html = bundle["text/html"]
-    assert "[0] hello from 0" in html and "[1] hello from 1" in html  # all ranks, labelled
+    assert "[0] hello from 0" in html
+    assert "[1] hello from 1" in html
     # the failed rank's log is open, the all-ranks log closed; its row red
     assert "<details class='nbddp-log' data-rank='1' open><summary>rank 1 log" in html
     assert "<details class='nbddp-log nbddp-log-all'><summary>all ranks log" in html
@@ -284,7 +293,9 @@ def test_a_frozen_log_keeps_its_last_lines_and_counts_the_rest():
     html = d.frozen_bundle()["text/html"]
     assert "<details class='nbddp-log nbddp-log-all' open>" in html  # no failure: open
     assert "… 500 earlier lines not shown</div>" in html
-    assert "line 499\n" not in html and "line 500\n" in html and "line 1499\n" in html
+    assert "line 499\n" not in html
+    assert "line 500\n" in html
+    assert "line 1499\n" in html
 
 
 def test_text_lines_and_rows_name_the_host_when_ranks_span_hosts():
@@ -305,7 +316,8 @@ def test_a_rank_blocked_in_a_collective_shows_what_it_waits_in_and_for_how_long(
     board.handle(P.RankWhere(1, "cell line 5: time.sleep(60)", None, 99.0))
     rows = board.widget.rows
     assert "waiting in all_reduce (12 s)" in rows
-    assert rows.count("waiting in") == 1 and ">running<" in rows
+    assert rows.count("waiting in") == 1
+    assert ">running<" in rows
     board.handle(P.RankState(0, "interrupted"))
     assert "waiting in" not in board.widget.rows
     board.close(None)
@@ -326,10 +338,13 @@ def test_a_large_pool_shows_counts_the_slowest_and_only_the_rows_that_differ(n):
     clock.t = 3.5
     d.handle(P.Tick())
     rows = d.widget.rows
-    assert f"{n - 2} done" in rows and "1 running" in rows and "1 failed" in rows
+    assert f"{n - 2} done" in rows
+    assert "1 running" in rows
+    assert "1 failed" in rows
     assert "slowest: rank 5 (3.5 s)" in rows
     shown = [int(r.split("'")[0]) for r in rows.split("data-rank='")[1:]]
-    assert {5, n - 1} <= set(shown) and len(shown) <= Dashboard.ROWS
+    assert {5, n - 1} <= set(shown)
+    assert len(shown) <= Dashboard.ROWS
     assert d.widget.lines == [[f"0-{n - 1}", "stdout", "step 1"]]
     d.close(P.CellEnd(1, tuple(range(n)), errors={n - 1: P.ErrorInfo("E", "m", "tb")}))
     html = d.frozen_bundle()["text/html"]

@@ -35,7 +35,8 @@ def test_auto_capture_ships_what_the_cell_reads_and_says_so(shell, run):
     result, text = run("%%ddp\nauto_total = sum(auto_data) * auto_scale")
     assert result.success, text
     line = next(x for x in text.splitlines() if x.startswith("nbddp: shipped"))
-    assert "auto_data (" in line and "auto_scale (" in line
+    assert "auto_data (" in line
+    assert "auto_scale (" in line
     assert out(shell, run, "auto_total") == [60, 60]
 
 
@@ -58,7 +59,8 @@ def test_imports_the_notebook_ran_are_replayed(shell, run):
 def test_no_auto_ships_nothing(shell, run):
     run("only_here = 1")
     result, text = run("%%ddp --no-auto\nonly_here")
-    assert not result.success and "NameError: name 'only_here' is not defined" in text
+    assert not result.success
+    assert "NameError: name 'only_here' is not defined" in text
     assert "shipped" not in text
 
 
@@ -67,9 +69,11 @@ def test_big_objects_need_to_be_named(shell, run):
     run("import torch\nhuge = torch.zeros(2**20)")
     result, text = run("%%ddp\nhuge.shape")
     assert "huge not shipped automatically: 4.0 MB is over the 1.0 MB limit" in text
-    assert "(name it with --need huge)" in text and not result.success
+    assert "(name it with --need huge)" in text
+    assert not result.success
     result, text = run("%%ddp --need huge --quiet --out _v\nhuge.numel()")
-    assert result.success and shell.user_ns["_v"] == [2**20, 2**20]
+    assert result.success
+    assert shell.user_ns["_v"] == [2**20, 2**20]
     run("%ddp start -n 2")
 
 
@@ -77,7 +81,8 @@ def test_pool_wide_no_auto(shell, run):
     run("%ddp start -n 2 --no-auto")
     run("pool_wide = 1")
     _, text = run("%%ddp\npool_wide")
-    assert "NameError" in text and "shipped" not in text
+    assert "NameError" in text
+    assert "shipped" not in text
     run("%ddp start -n 2")
 
 
@@ -182,7 +187,8 @@ def test_unshippable_objects_are_named_with_the_reason(shell, run, make):
     run(make)
     result, text = run("%%ddp --need edge_bad\npass")
     assert not result.success
-    assert text.startswith("UsageError: cannot ship 'edge_bad'") and "cannot pickle" in text
+    assert text.startswith("UsageError: cannot ship 'edge_bad'")
+    assert "cannot pickle" in text
     run("edge_bad.close() if hasattr(edge_bad, 'close') else None")
 
 

@@ -80,7 +80,8 @@ def test_root_causes_are_ordered_by_when_they_happened_in_their_rank():
     early = RankFailed(3, "KeyError", "early", "tb", when=4.0)
     freed = RankFailed(1, "RuntimeError", "aborted", "tb", when=4.5)  # its group was aborted
     roots, rest = root_causes([late, freed, early], freed=(1,))
-    assert roots == [early, late] and rest == [freed]
+    assert roots == [early, late]
+    assert rest == [freed]
 
 
 def test_collective_errors_alone_are_all_root_causes():

@@ -79,18 +79,21 @@ def test_cells_become_one_script_with_what_they_used_and_data_is_reported():
     ]
     result = export(cells, source="test.ipynb", target="t.py")
     script = result.script
-    assert result.nproc == 4 and result.command("t.py") == "torchrun --nproc-per-node 4 t.py"
+    assert result.nproc == 4
+    assert result.command("t.py") == "torchrun --nproc-per-node 4 t.py"
     compile(script, "t.py", "exec")  # valid Python
     assert "import math\nfrom torch import nn" in script
-    assert "def helper(x):" in script and "def double(x):" in script  # helper: used by double
-    assert "class Net(nn.Module):" in script and "unused" not in script
-    assert (
-        "import os\n import json" not in script and "import os\nimport json\nnet = Net()" in script
-    )
+    assert "def helper(x):" in script
+    assert "def double(x):" in script
+    assert "class Net(nn.Module):" in script
+    assert "unused" not in script
+    assert "import os\n import json" not in script
+    assert "import os\nimport json\nnet = Net()" in script
     assert "if rank in (0, 2):\n    print(value, weights)" in script
     assert "# --out vals: each rank's last value went to the notebook" in script
     assert "# (notebook) got = %ddp pull value --all" in script
-    assert "%load_ext" not in script and "print(got)" not in script
+    assert "%load_ext" not in script
+    assert "print(got)" not in script
     # SCALE (used by helper) and weights (read by a cell) are data from the notebook
     assert sorted(result.notes) == [
         "not exported: SCALE (data from notebook cell 2; define it in the script)",
@@ -143,7 +146,8 @@ def test_the_cli_says_what_went_wrong_in_one_line(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert out.returncode == 1 and out.stderr.count("\n") == 1
+    assert out.returncode == 1
+    assert out.stderr.count("\n") == 1
     assert out.stderr.startswith("nbddp export: ")
 
 
@@ -158,7 +162,8 @@ def test_ddp_export_writes_the_sessions_cells(tmp_path):
         target = tmp_path / "session.py"
         shell.run_cell(f"%ddp export {target}", store_history=True)
         script = target.read_text()
-        assert "def twice(x):" in script and "print(twice(rank))" in script
+        assert "def twice(x):" in script
+        assert "print(twice(rank))" in script
         assert "%ddp export" not in script
         printed = torchrun(target, 3)  # three processes: their lines may interleave
         assert sorted("".join(printed.split())) == ["0", "2", "4"]

@@ -272,7 +272,9 @@ def test_a_collective_failure_says_the_group_was_re_formed(pool):
     assert pool.generation == generation
     (note,) = end.notes
     assert "rank 1 had stopped while rank 0 still ran (waiting in barrier)" in note
-    assert "re-formed" in note and "kept its namespace" in note and "DDP models" in note
+    assert "re-formed" in note
+    assert "kept its namespace" in note
+    assert "DDP models" in note
 
 
 @pytest.mark.timeout(60)
@@ -331,7 +333,8 @@ def test_the_interrupt_reaches_only_ranks_running_the_cell(pool):
     pool.execute("import time")
     threading.Timer(0.5, pool.interrupt).start()
     _, seen, end = collect(pool.run("time.sleep(60)", ranks=[1]))
-    assert end.interrupted == "interrupt" and end.ranks == (1,)
+    assert end.interrupted == "interrupt"
+    assert end.ranks == (1,)
     assert P.RankState(1, "interrupted") in seen
     assert pool.execute("rank") == [0, 1]
 
@@ -374,7 +377,8 @@ def test_soak_many_cells_leak_no_fds_threads_or_processes():
         fds0, threads0, children0 = before
         fds1, threads1, children1 = after
         assert all(b <= a + 2 for a, b in zip(fds0, fds1, strict=True)), (fds0, fds1)
-        assert threads1 == threads0 and children1 == children0, (before, after)
+        assert threads1 == threads0, (before, after)
+        assert children1 == children0, (before, after)
         assert os.getpid() == me.pid
 
 
@@ -382,7 +386,8 @@ def test_the_process_group_timeout_ends_a_collective_nobody_joins():
     with Pool(2, pg_timeout=2) as pool:
         pool.execute("import torch.distributed as dist\nkept = rank")
         _, _, end = collect(pool.run("if rank == 0:\n    dist.barrier()"))
-        assert list(end.errors) == [0] and "Timed out" in end.errors[0].message
+        assert list(end.errors) == [0]
+        assert "Timed out" in end.errors[0].message
         assert pool.execute("kept") == [0, 1]
 
 

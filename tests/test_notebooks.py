@@ -37,7 +37,8 @@ def test_notebook_runs_without_errors(path, tmp_path, monkeypatch):
         assert bool(errors) == expected, cell.source
     outputs = [o for c in code for o in c.outputs]
     shown = "".join(o.get("text", "") + o.get("data", {}).get("text/html", "") for o in outputs)
-    assert "rank 0" in shown and "rank 1" in shown
+    assert "rank 0" in shown
+    assert "rank 1" in shown
 
 
 def test_saved_notebooks_carry_their_outputs_with_static_dashboards():

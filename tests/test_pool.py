@@ -37,7 +37,8 @@ env = {k: os.environ[k] for k in
     values = pool.execute(code)
     for rank, (t, backend, env, local_rank, world_size, device) in enumerate(values):
         assert t == [1.0, 1.0, 1.0]
-        assert backend == "gloo" and device == "cpu"
+        assert backend == "gloo"
+        assert device == "cpu"
         assert (local_rank, world_size) == (rank, 2)
         assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
         assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
@@ -48,9 +49,11 @@ env = {k: os.environ[k] for k in
 def test_the_heap_is_frozen_for_the_collector_only_while_a_cell_runs(pool):
     assert gc.get_freeze_count() == 0
     during = [gc.get_freeze_count() for _ in pool.run("print('x')")]
-    assert min(during[:-1]) > 0 and during[-1] == gc.get_freeze_count() == 0  # CellEnd: after
+    assert min(during[:-1]) > 0
+    assert during[-1] == gc.get_freeze_count() == 0
     events = list(pool.run("1 / (rank - 1)"))  # a failing cell unfreezes too
-    assert events[-1].errors and gc.get_freeze_count() == 0
+    assert events[-1].errors
+    assert gc.get_freeze_count() == 0
 
 
 def test_state_persists_across_cells(pool):
@@ -71,7 +74,9 @@ ctypes.CDLL(None).printf(b"c printf %d\\n", rank)   # C stdio, flushed at cell e
     assert not end.errors
     for rank in (0, 1):
         out = text[rank, "stdout"]
-        assert f"py out {rank}\n" in out and "fd out\n" in out and f"c printf {rank}\n" in out
+        assert f"py out {rank}\n" in out
+        assert "fd out\n" in out
+        assert f"c printf {rank}\n" in out
         assert text[rank, "stderr"] == f"py err {rank}\n"
 
 
@@ -107,7 +112,8 @@ def test_a_rank_error_names_rank_type_message_and_cell_lines_and_keeps_state(poo
     assert list(end.errors) == [1]
     err = end.errors[1]
     assert (err.exc_type, err.message) == ("ZeroDivisionError", "division by zero")
-    assert 'File "<ddp-cell-' in err.traceback and '", line 3, in <module>' in err.traceback
+    assert 'File "<ddp-cell-' in err.traceback
+    assert '", line 3, in <module>' in err.traceback
     with pytest.raises(CellFailed, match=r"^rank 1: ZeroDivisionError: division by zero$"):
         raise_for_end(end)
     assert pool.execute("kept") == ["yes", "yes"]
@@ -139,7 +145,8 @@ def test_output_before_a_death_is_kept_and_the_death_named(pool):
     text, _, end = collect(pool.run(code))
     assert time.monotonic() - t0 < 10
     assert text[1, "stdout"] == "last words\n"
-    assert end.exits[1].returncode == 7 and not end.exits[1].stopped_by_pool
+    assert end.exits[1].returncode == 7
+    assert not end.exits[1].stopped_by_pool
     assert end.exits[0].stopped_by_pool
     with pytest.raises(CellFailed, match=r"rank 1 died \(exit code 7\)"):
         raise_for_end(end)
@@ -192,8 +199,12 @@ def test_status_reports_every_rank(pool):
     rows = pool.status()
     assert [r.rank for r in rows] == [0, 1]
     for row in rows:
-        assert row.pid in pool.pids and row.host and row.device == "cpu"
-        assert row.state == "idle" and row.uptime >= 0 and row.rss > 10 * 2**20
+        assert row.pid in pool.pids
+        assert row.host
+        assert row.device == "cpu"
+        assert row.state == "idle"
+        assert row.uptime >= 0
+        assert row.rss > 10 * 2**20
 
 
 def test_restart_gives_fresh_ranks_through_the_same_fork_server(pool):
@@ -270,7 +281,8 @@ Rich()
 """
     _, seen, end = collect(pool.run(code, display_ranks=[1]))
     assert not end.errors
-    assert P.RankProgress(0, 3, 3, "steps") in seen and P.RankProgress(1, 3, 3, "steps") in seen
+    assert P.RankProgress(0, 3, 3, "steps") in seen
+    assert P.RankProgress(1, 3, 3, "steps") in seen
     shown = [ev for ev in seen if isinstance(ev, P.RankDisplay)]
     assert [ev.rank for ev in shown] == [1, 1]
     assert shown[0].data == {"text/plain": "{'from': 1}"}
@@ -282,7 +294,8 @@ def test_figures_are_sent_as_png_and_closed(pool):
     code = "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()\nplt.get_fignums()"
     _, seen, end = collect(pool.run(code, want_values=True))
     pngs = [ev for ev in seen if isinstance(ev, P.RankDisplay) and "image/png" in ev.data]
-    assert len(pngs) == 1 and pngs[0].rank == 0
+    assert len(pngs) == 1
+    assert pngs[0].rank == 0
     assert end.values == {0: [], 1: []}  # every rank closed its figures
 
 

@@ -32,9 +32,11 @@ def test_a_marker_split_across_reads_is_held_back_then_found(cut):
     pieces, held = P.split_markers("out" + marker[:cut])
     assert pieces == ["out"]
     pieces, held = P.split_markers(held + marker[cut:] + "next")
-    assert pieces == [12, "next"] and held == ""
+    assert pieces == [12, "next"]
+    assert held == ""
 
 
 def test_a_nul_that_cannot_start_a_marker_is_not_held():
     pieces, held = P.split_markers("a\x00b")
-    assert pieces == ["a\x00b"] and held == ""
+    assert pieces == ["a\x00b"]
+    assert held == ""

@@ -54,7 +54,8 @@ def test_256_ranks_attach_and_their_identical_lines_fold_into_one(attach):
         "if rank == 200:\n    raise ValueError('rank 200 is unhappy')",
         TextSink(stdout=out),
     )
-    assert list(end.errors) == [200] and end.errors[200].exc_type == "ValueError"
+    assert list(end.errors) == [200]
+    assert end.errors[200].exc_type == "ValueError"
     assert out.getvalue().splitlines() == [
         "[ranks 0-255] epoch 1 loss 0.25",
         "[rank 100] only rank 100",

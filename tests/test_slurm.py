@@ -138,7 +138,8 @@ def test_attach_submits_a_real_slurm_job_and_uses_its_ranks(slurm, tmp_path, mon
         )
         out = capsys.readouterr().out
         assert result.success, out
-        assert "submitted SLURM job" in out and "attached 2 ranks" in out
+        assert "submitted SLURM job" in out
+        assert "attached 2 ranks" in out
         job = out.split("submitted SLURM job ")[1].split()[0]
         assert shell.run_cell(
             "%%ddp --quiet --out _slurm\nimport os, torch.distributed as dist\n"

@@ -73,7 +73,8 @@ def test_a_rank_seen_once_in_a_collective_that_then_finishes_is_not_aborted():
     for r in range(8):
         if r != 6:
             ranks.finish(r)
-    assert ranks.sup.finished and "abort" not in ranks.kinds()
+    assert ranks.sup.finished
+    assert "abort" not in ranks.kinds()
 
 
 def test_ranks_still_blocked_after_the_abort_stop_the_pool_after_grace():
@@ -89,7 +90,8 @@ def test_ranks_still_blocked_after_the_abort_stop_the_pool_after_grace():
         ranks.step(max(ranks.sup.deadline - ranks.now, 0.01))
     assert ranks.now >= aborted + 3.0
     assert Action("stop", (1, 3), "abort") in ranks.log
-    assert ranks.sup.stopped == "abort" and ranks.sup.finished
+    assert ranks.sup.stopped == "abort"
+    assert ranks.sup.finished
 
 
 def test_ranks_computing_after_the_abort_are_left_alone():
@@ -100,7 +102,8 @@ def test_ranks_computing_after_the_abort_are_left_alone():
     ranks.places = {0: IN_SLEEP, 2: IN_SLEEP}  # freed, they went on with other work
     for _ in range(60):
         ranks.step(SAMPLE_FAST)
-    assert "stop" not in ranks.kinds() and ranks.sup.stopped is None
+    assert "stop" not in ranks.kinds()
+    assert ranks.sup.stopped is None
 
 
 def test_a_failure_waits_abort_after_when_a_rank_is_still_computing():
@@ -118,7 +121,8 @@ def test_no_abort_when_the_others_finish_by_themselves():
     ranks.finish(1, "error")
     ranks.finish(0)
     ranks.finish(2)
-    assert ranks.sup.finished and "abort" not in [a.kind for a in ranks.step(5.0)]
+    assert ranks.sup.finished
+    assert "abort" not in [a.kind for a in ranks.step(5.0)]
     assert ranks.sup.deadline is None
 
 
@@ -132,7 +136,8 @@ def test_an_interrupt_takes_stacks_before_the_signal_then_aborts_then_stops():
     assert "abort" not in ranks.kinds() + [a.kind for a in ranks.step(1.4)]
     assert "abort" in [a.kind for a in ranks.step(0.2)]  # halfway through the grace period
     assert [a.kind for a in ranks.step(1.5)] == ["stop"]  # still not back: stuck in C
-    assert ranks.sup.stopped == "interrupt" and ranks.sup.finished
+    assert ranks.sup.stopped == "interrupt"
+    assert ranks.sup.finished
 
 
 def test_an_interrupted_rank_with_the_others_in_a_collective_aborts_early():
@@ -169,7 +174,8 @@ def test_a_death_stops_the_others_at_once_and_keeps_what_finished():
     ranks.sup.died(2, ranks.now)
     assert ranks.step() == [Action("stop", (3,), "death")]
     assert ranks.sup.phase == {0: "ok", 1: "failed", 2: "dead", 3: "stopped"}
-    assert ranks.sup.finished and ranks.sup.first_failure == (100.0, 1)
+    assert ranks.sup.finished
+    assert ranks.sup.first_failure == (100.0, 1)
 
 
 def test_long_cells_are_sampled_and_a_place_is_reported_once_with_its_start():
@@ -178,7 +184,8 @@ def test_long_cells_are_sampled_and_a_place_is_reported_once_with_its_start():
     assert ranks.step(SAMPLE_EVERY - 0.1) == []
     assert ranks.step(0.1) == [Action("stacks", (0, 1))]
     first_seen = ranks.sup.where[0].since
-    assert ranks.sup.waiting_in(0) == "all_reduce" and ranks.sup.waiting_in(1) is None
+    assert ranks.sup.waiting_in(0) == "all_reduce"
+    assert ranks.sup.waiting_in(1) is None
     ranks.step(SAMPLE_EVERY)
     assert ranks.sup.where[0].since == first_seen  # the same place: waiting since then
     assert ranks.sup.stacks(0, IN_REDUCE, ranks.now) is None  # nothing new to report
@@ -188,6 +195,7 @@ def test_reports_from_ranks_outside_the_cell_or_after_they_ended_are_ignored():
     ranks = FakeRanks(2)
     ranks.finish(0)
     ranks.sup.done(0, "error", ranks.now)  # a second Done changes nothing
-    assert ranks.sup.phase[0] == "ok" and ranks.sup.first_failure is None
+    assert ranks.sup.phase[0] == "ok"
+    assert ranks.sup.first_failure is None
     assert ranks.sup.stacks(5, IN_SLEEP, ranks.now) is None
     assert not ranks.sup.ended(1)  # no Done yet
