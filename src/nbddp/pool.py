@@ -1117,7 +1117,7 @@ class Pool:
         if threading.current_thread() is not threading.main_thread():
             return None
 
-        def on_sigint(signum, frame) -> None:
+        def on_sigint(_signum, _frame) -> None:
             request = self._interrupt_request
             stuck = request is not None and time.monotonic() - request[1] > self.grace + 5.0
             if stuck and request[0] == cell:

@@ -378,7 +378,7 @@ class Worker:
         else:
             shut_down_sockets(dict(self.group_sockets), _store_port())
 
-    def _on_sigint(self, signum: int, frame: object) -> None:
+    def _on_sigint(self, _signum: int, _frame: object) -> None:
         if self.running:
             raise KeyboardInterrupt
 

@@ -1,0 +1,37 @@
+"""Names vulture cannot see used (``vulture src .ci/vulture_whitelist.py``), each with why."""
+
+# ruff: noqa
+_ = object()
+
+# anywidget traits: synced to the browser, read by dashboard.js
+header
+_.header
+# ipykernel's display publisher method, replaced for the length of one display
+_._flush_streams
+# a render counter the tests read (throttling is asserted on it)
+_.renders
+# IPython calls it to show a CellFailed / CellInterrupted without a Python traceback
+_._render_traceback_
+# the fork server's entry point, started as `python -c "... _serve_forks(...)"`
+_serve_forks
+# imported once in the fork server so that every rank forked from it has it
+IPython
+# %ddp subcommands, dispatched as getattr(self, f"_{command}")
+_._start
+_._status
+_._stacks
+_._restart
+_._interrupt
+_._push
+_._pull
+_._export
+# matplotlib's backend protocol (MPLBACKEND=module://nbddp.mpl_backend)
+FigureCanvas
+FigureManager
+# registered with atexit by its decorator
+_stop_all_pools
+# public API: Pool.pids, Pool.execute
+_.pids
+_.execute
+# file objects have a mode; loggers and libraries read it from sys.stdout
+_.mode
