@@ -247,3 +247,19 @@ def test_start_with_threads(shell, run):
     assert not result.success
     assert "threads" in out
     run("%ddp start -n 2")
+
+
+@pytest.mark.parametrize("asked", ["%ddp", "%%ddp"])
+def test_the_help_shows_every_subcommand_and_every_option_from_the_parsers(shell, asked):
+    from nbddp.magics import PARSERS, SUBCOMMANDS
+
+    shown = shell.object_inspect_mime(asked)["text/plain"]
+    for command in SUBCOMMANDS:
+        assert f"%ddp {command}" in shown, command
+    for magic in PARSERS.values():
+        for action in magic.parser._actions:
+            if action.help and action.help != "show this help message and exit":
+                first_words = " ".join(action.help.split()[:4])
+                assert first_words in " ".join(shown.split()), (action.dest, first_words)
+            for flag in action.option_strings:
+                assert flag in shown, flag

@@ -242,17 +242,7 @@ class DDPMagics(Magics):
 
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None):
-        """Run a cell on a persistent pool of torch.distributed ranks.
-
-        %%ddp [-n N] [--need NAMES] [--imports STMTS] [--ranks RANKS] [--out VAR]
-              [--timeout S] [--display RANKS] [--text] [--quiet] [--no-fold]
-        %ddp start [-n N] [--backend gloo|nccl] [--start-method M] [--timeout S] [--grace S]
-        %ddp status | stacks | restart | stop | interrupt
-        %ddp push NAMES [--ranks RANKS]
-        x = %ddp pull NAME [--rank R | --all]
-        %ddp run [--ranks RANKS] [--keep] SCRIPT.py [ARGS...]
-        %ddp export FILE.py
-        """
+        # its docstring, what %ddp? and %%ddp? show, is help_text(): made from the parsers
         if cell is not None:
             return self._cell(line, cell)
         command, _, rest = line.strip().partition(" ")
@@ -384,6 +374,7 @@ class DDPMagics(Magics):
         print(f"\rnbddp: {connected}/{world_size} ranks connected", end="", flush=True)
 
     def _status(self, rest: str) -> None:
+        """One row per rank: pid, host, device, state, uptime, memory."""
         if self.pool is None or not self.pool.started:
             print("nbddp: no pool is running")
             return
@@ -413,6 +404,7 @@ class DDPMagics(Magics):
             print("\n".join(stacks.format_groups(self.pool.last_stacks)))
 
     def _restart(self, rest: str) -> None:
+        """New ranks with the same options (every rank's state is gone)."""
         if self.pool is None:
             raise UsageError("no pool to restart: start one with %ddp start or %%ddp")
         if self.pool.attached:
@@ -425,12 +417,14 @@ class DDPMagics(Magics):
         )
 
     def _stop(self, rest: str) -> None:
+        """End every rank and helper process of the pool."""
         if self.pool is not None:
             self.pool.stop()
             self.pool = None
             self._say("stopped the pool")
 
     def _interrupt(self, rest: str) -> None:
+        """Interrupt the running cell on every rank (as the stop button does)."""
         if self.pool is not None:
             self.pool.interrupt()
 
@@ -614,6 +608,41 @@ class DDPMagics(Magics):
             self.pool.stop()
             self.pool = None
 
+
+# ---------------------------------------------------------------- help, from the parsers
+
+PARSERS = {
+    "%%ddp": ddp_cell,
+    "%ddp start": ddp_start,
+    "%ddp attach": ddp_attach,
+    "%ddp push": ddp_push,
+    "%ddp pull": ddp_pull,
+    "%ddp run": ddp_run,
+    "%ddp export": ddp_export,
+}
+for _prog, _magic in PARSERS.items():
+    # usage lines and errors say "%ddp start", not "%ddp_start" (IPython adds one "%")
+    _magic.parser.prog = _prog[1:]
+
+
+def help_text() -> str:
+    """What ``%ddp?`` and ``%%ddp?`` show: every subcommand, each option with its help,
+    made from the argument parsers and the subcommands' own docstrings."""
+    parts = [
+        "Run a cell on a persistent pool of torch.distributed ranks "
+        "(%%ddp), and manage the pool (%ddp COMMAND).\n"
+    ]
+    with_parser = {prog.split()[-1] for prog in PARSERS}
+    for magic in PARSERS.values():
+        parts.append(magic.parser.format_help())
+    for command in SUBCOMMANDS:
+        if command not in with_parser:
+            doc = (getattr(DDPMagics, f"_{command}").__doc__ or "").strip().splitlines()[0]
+            parts.append(f"%ddp {command}\n    {doc}\n")
+    return "\n".join(parts)
+
+
+DDPMagics.ddp.__doc__ = help_text()
 
 _MAGICS: dict[int, DDPMagics] = {}
 
