@@ -4,13 +4,16 @@ import contextlib
 import copy
 import dataclasses
 import io
+import os
 import threading
 import types
 
 import pytest
+import torch
 
 from nbddp import payload
 from nbddp.capture import (
+    Shipped,
     check_imports,
     collect,
     human,
@@ -21,6 +24,7 @@ from nbddp.capture import (
     parse_ranks,
     parse_size,
     select_auto,
+    ship_dir,
     split_names,
 )
 from nbddp.errors import CaptureError
@@ -109,7 +113,6 @@ def test_sizes_parse_and_print():
 
 
 def test_auto_selection_rules():
-    import torch
 
     ns = {
         "data": 1,
@@ -251,3 +254,139 @@ def test_names_read_follow_pythons_scoping(code, expected):
     assert names_read(code) == expected
     # never fewer than Python needs (more only where a binding may not happen first)
     assert set(needed(code, NOTEBOOK)) <= set(names_read(code))
+
+
+# ---------------------------------------------------------------- sizes, ship folder, what was sent
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("100MB", 100 * 2**20),
+        ("1.5GB", int(1.5 * 2**30)),
+        ("512KB", 512 * 2**10),
+        ("512k", 512 * 2**10),
+        ("2048B", 2048),
+        ("10", 10 * 2**20),  # a bare number is megabytes
+        (" 1 gb ", 2**30),
+        ("3M", 3 * 2**20),
+    ],
+)
+def test_sizes_are_read_in_binary_units(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "MB", "1.5.2GB", "10TB", "-1MB", "ten"])
+def test_a_size_that_is_not_one_says_how_to_write_it(text):
+    with pytest.raises(CaptureError, match=r"not a size: .* \(say 100MB, 1GB, 512KB\)"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1.0 KB"),
+        (1536, "1.5 KB"),
+        (5 * 2**20, "5.0 MB"),
+        (3 * 2**30, "3.0 GB"),
+        (2**42, "4096.0 GB"),
+    ],
+)
+def test_sizes_are_said_in_binary_units(nbytes, text):
+    assert human(nbytes) == text
+
+
+def test_shipped_tensors_go_to_one_private_folder_of_this_process():
+    import stat
+
+    folder = ship_dir()
+    assert ship_dir() == folder  # one per process
+    st = os.stat(folder)
+    assert stat.S_IMODE(st.st_mode) == 0o700
+    assert os.path.basename(folder).startswith(f"nbddp-{os.getpid()}-")
+    shipment = pack({"big": torch.ones(1 << 19)})  # 2 MB: over the shared-memory threshold
+    try:
+        assert shipment.files
+        assert all(os.path.dirname(f) == folder for f in shipment.files)
+    finally:
+        shipment.remove()
+
+
+def test_what_was_shipped_counts_as_unchanged_while_the_notebook_binds_the_same_object():
+
+    shipped, t, big = Shipped(), torch.ones(2), [1, 2]
+    assert not shipped.unchanged(1, "t", t)
+    shipped.sent("t", t)
+    shipped.sent("n", 5)  # not weakly referable: held as it is
+    shipped.sent("big", big)
+    assert shipped.unchanged(1, "t", t)
+    assert shipped.unchanged(1, "n", 5)
+    assert shipped.unchanged(1, "big", big)
+    assert not shipped.unchanged(1, "t", torch.ones(2))  # rebound: ship again
+    assert not shipped.unchanged(1, "other", t)
+    assert not shipped.unchanged(2, "t", t)  # a new pool has nothing
+    assert not shipped.unchanged(2, "n", 5)
+
+
+def test_a_collected_object_is_not_mistaken_for_a_new_one():
+    import gc
+
+    shipped = Shipped()
+    t = torch.ones(2)
+    shipped.sent("t", t)
+    del t
+    gc.collect()
+    assert not shipped.unchanged(1, "t", None)
+    assert not shipped.unchanged(1, "t", torch.ones(2))
+
+
+def test_collect_returns_the_named_objects_in_order_or_names_every_missing_one():
+    assert list(collect(["b", "a"], {"a": 1, "b": 2, "c": 3}).items()) == [("b", 2), ("a", 1)]
+    assert collect([], {"a": 1}) == {}
+    with pytest.raises(CaptureError) as one:
+        collect(["a", "x"], {"a": 1})
+    assert str(one.value) == "name 'x' is not defined in the notebook"
+    with pytest.raises(CaptureError) as several:
+        collect(["x", "a", "y", "z"], {"a": 1})
+    assert str(several.value) == "name 'x' is not defined in the notebook (nor 'y', 'z')"
+    with pytest.raises(CaptureError) as two:
+        collect(["x", "y"], {})
+    assert str(two.value) == "name 'x' is not defined in the notebook (nor 'y')"
+
+
+def test_import_text_is_kept_as_written_and_errors_quote_it():
+    assert check_imports(None) == ""
+    assert check_imports("   ") == ""
+    assert check_imports("  import os  \n") == "import os"
+    with pytest.raises(CaptureError) as other:
+        check_imports("import os\nx = 1")
+    assert str(other.value) == "--imports takes import statements only, not 'x = 1'"
+    with pytest.raises(CaptureError) as broken:
+        check_imports("import (")
+    assert str(broken.value).startswith("--imports is not valid Python: ")
+    assert str(broken.value).endswith(": 'import ('")
+
+
+def test_rank_lists_and_ranges():
+    assert parse_ranks(None) is None
+    assert parse_ranks("0,2-3") == [0, 2, 3]
+    assert parse_ranks(" 3 , 1,1 ") == [1, 3]
+    assert parse_ranks("2-2") == [2]
+    assert parse_ranks("0-3", 4) == [0, 1, 2, 3]
+    with pytest.raises(CaptureError) as empty:
+        parse_ranks("3-1")
+    assert str(empty.value) == "--ranks: empty range '3-1'"
+    with pytest.raises(CaptureError) as outside:
+        parse_ranks("1,4", 4)
+    assert str(outside.value) == "--ranks: no rank 4 in a pool of 4"
+    with pytest.raises(CaptureError) as bad:
+        parse_ranks("0;1")
+    assert str(bad.value) == "--ranks takes ranks like 0,2-3, not '0;1'"
+
+
+def test_names_from_none_are_none():
+    assert split_names(None) == []
+    assert split_names(",a, ,b") == ["a", "b"]  # an empty piece is skipped, not the end
+    assert split_names(" a\tb\nc ") == ["a", "b", "c"]

@@ -84,7 +84,7 @@ def check_imports(text: str | None) -> str:
     if not text:
         return ""
     try:
-        tree = ast.parse(text, "<imports>")
+        tree = ast.parse(text, "<imports>")  # pragma: no mutate (the name is never shown)
     except SyntaxError as exc:
         raise CaptureError(f"--imports is not valid Python: {exc.msg}: {text!r}") from None
     for stmt in tree.body:
