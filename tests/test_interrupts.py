@@ -140,3 +140,22 @@ def test_a_timeout_shorter_than_the_start_of_the_cell_still_ends_it(ranks, timeo
 def test_an_interrupt_between_cells_does_nothing(ranks):
     ranks.interrupt()
     assert ranks.execute("kept") == [r * 10 for r in range(ranks.world_size)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("after_ms", [0, 2, 10])
+def test_an_interrupt_while_the_ranks_load_shipped_data_ends_the_cell(ranks, after_ms):
+    import torch
+
+    needs = {"big": torch.ones(25_000_000)}  # 100 MB through shared memory
+    for _ in range(3):
+        timer = threading.Timer(after_ms / 1000, ranks.interrupt)
+        events = ranks.run(LOOP, needs=needs)
+        timer.start()
+        try:
+            end = until_the_end(ranks, events)
+        finally:
+            timer.cancel()
+        assert end.interrupted == "interrupt"
+        assert not ranks.needs_restart
+    assert ranks.execute("kept") == [r * 10 for r in range(ranks.world_size)]

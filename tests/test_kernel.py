@@ -145,14 +145,13 @@ def test_the_stop_button_interrupts_the_ranks_and_keeps_their_state(kernel):
             started.append(time.monotonic())
             km.interrupt_kernel()
 
-    t0 = time.monotonic()
-    r = execute(
+    r = execute(  # the sleep is 60 s: a reply within execute's 30 s is the interrupt's
         kc,
         "%%ddp --text\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)",
         on_output=interrupt_once_running,
+        timeout=30,
     )
     assert started, r.text
-    assert time.monotonic() - t0 < 20
     assert r.error["ename"] == "CellInterrupted", r.error
     r = execute(kc, "%%ddp --text\nprint('kept', kept)")
     assert r.error is None
