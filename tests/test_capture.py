@@ -25,7 +25,6 @@ from nbddp.capture import (
     parse_ranks,
     parse_size,
     select_auto,
-    ship_dir,
     size_of,
     split_names,
 )
@@ -325,20 +324,19 @@ def test_sizes_are_said_in_binary_units(nbytes, text):
     assert human(nbytes) == text
 
 
-def test_shipped_tensors_go_to_one_private_folder_of_this_process():
-    import stat
-
-    folder = ship_dir()
-    assert ship_dir() == folder  # one per process
-    st = os.stat(folder)
-    assert stat.S_IMODE(st.st_mode) == 0o700
-    assert os.path.basename(folder).startswith(f"nbddp-{os.getpid()}-")
-    shipment = pack({"big": torch.ones(1 << 19)})  # 2 MB: over the shared-memory threshold
+def test_big_tensors_ship_through_the_folder_given_and_inline_without_one():
+    folder = payload.shm_dir()
     try:
+        shipment = pack({"big": torch.ones(1 << 19)}, folder)  # 2 MB: over the threshold
         assert shipment.files
         assert all(os.path.dirname(f) == folder for f in shipment.files)
-    finally:
+        assert torch.equal(payload.loads(shipment.data)["big"], torch.ones(1 << 19))
         shipment.remove()
+        inline = pack({"big": torch.ones(1 << 19)}, None)  # ranks on other hosts
+        assert not inline.files
+        assert len(inline.data) > 2 * 2**20
+    finally:
+        os.rmdir(folder)
 
 
 def test_what_was_shipped_counts_as_unchanged_while_the_notebook_binds_the_same_object():

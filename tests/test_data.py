@@ -92,9 +92,11 @@ def test_tensors_arrive_as_real_tensors_and_the_files_are_gone(shell, run):
     base = float(torch.arange(2**20, dtype=torch.float32).sum())
     assert values == [(0.0, base), (1.0, base + 2**20)]  # each rank changed its own copy
     assert float(shell.user_ns["shared_t"][0]) == 0.0  # and the notebook's is untouched
-    from nbddp.capture import ship_dir
+    from nbddp.pool import default_pool
 
-    assert os.listdir(ship_dir()) == []
+    folder = default_pool().shm_folder  # where the shipment went: the pool's own folder
+    assert os.path.basename(folder).startswith("nbddp-")
+    assert os.listdir(folder) == []
 
 
 def test_push_pull_and_pull_all_with_big_tensors(shell, run):

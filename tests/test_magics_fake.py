@@ -21,6 +21,7 @@ class FakePool:
         self.hosts: dict[int, str] = {}
         self.devices = ["cpu"] * world_size
         self.backend_in_use = "gloo"
+        self.shm_folder = None  # shipments inline
         self.on_ranks = frozenset(on_ranks)
         self.printed = printed
         self.calls: list[tuple[str, dict]] = []

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 
+import psutil
 import pytest
 
 from nbddp import Pool
@@ -18,7 +19,14 @@ SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def ours() -> set[str]:
-    return {name for name in os.listdir(SHM) if name.startswith("nbddp")}
+    """nbddp folders that are this test's doing: made by this process or by one that has
+    ended (a leak); folders of other live processes (another test run) are theirs."""
+
+    def alive_elsewhere(name: str) -> bool:
+        pid = name.split("-")[1]
+        return pid.isdigit() and int(pid) != os.getpid() and psutil.pid_exists(int(pid))
+
+    return {n for n in os.listdir(SHM) if n.startswith("nbddp") and not alive_elsewhere(n)}
 
 
 KILLED_IN_GATHER = (

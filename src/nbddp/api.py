@@ -72,7 +72,7 @@ def ranch(
     objects.update(__nbddp_fn=fn, __nbddp_args=args, __nbddp_kwargs=kwargs, __nbddp_ctx=ctx)
     imports = capture.check_imports(imports)
     pool = _pool_of(nprocs)
-    needs = capture.pack(objects, shared=not pool.attached)
+    needs = capture.pack(objects, pool.shm_folder)
     sink, end = TextSink(), None
     for event in pool.run(CALL, needs=needs, imports=imports, want_values=True):
         if isinstance(event, P.CellEnd):

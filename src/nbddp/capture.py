@@ -8,9 +8,7 @@ nothing has changed on the ranks.
 from __future__ import annotations
 
 import ast
-import atexit
 import re
-import shutil
 import symtable
 import weakref
 
@@ -44,28 +42,17 @@ def collect(names: list[str], namespace: dict) -> dict[str, object]:
     return {n: namespace[n] for n in names}
 
 
-_ship_dir: str | None = None
-
-
-def ship_dir() -> str:
-    """This process's private tmpfs directory for shipped tensors (removed at exit)."""
-    global _ship_dir
-    if _ship_dir is None:
-        _ship_dir = payload.shm_dir()
-        atexit.register(shutil.rmtree, _ship_dir, True)
-    return _ship_dir
-
-
-def pack(objects: dict[str, object], shared: bool = True) -> payload.Shipment | None:
-    """Pickle the objects once for every rank (big tensors through shared memory,
-    unless ``shared`` is False: ranks on other hosts).
+def pack(objects: dict[str, object], folder: str | None = None) -> payload.Shipment | None:
+    """Pickle the objects once for every rank; big tensors go through shared memory in
+    ``folder`` (the pool's own: ``Pool.shm_folder``), or inside the pickle when it is
+    None (ranks on other hosts).
 
     On failure, the error names the object that cannot go and why.
     """
     if not objects:
         return None
     try:
-        return payload.dumps(objects, ship_dir() if shared else None)
+        return payload.dumps(objects, folder)
     except Exception as whole:
         for name, obj in objects.items():
             try:

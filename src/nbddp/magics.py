@@ -431,8 +431,9 @@ class DDPMagics(Magics):
     def _push(self, rest: str) -> None:
         args = parse_argstring(ddp_push, rest)
         names = capture.split_names(" ".join(args.names))
-        payload = capture.pack(capture.collect(names, self.shell.user_ns))
+        objects = capture.collect(names, self.shell.user_ns)
         pool = self._want_pool(None)
+        payload = capture.pack(objects, pool.shm_folder)
         ranks = capture.parse_ranks(args.ranks, pool.world_size)
         self._finish(pool.run("", ranks=ranks, needs=payload), TextSink())
 
@@ -477,8 +478,7 @@ class DDPMagics(Magics):
         args = parse_argstring(ddp_cell, line)
         try:
             explicit = capture.split_names(" ".join(args.need))
-            shared = self.pool is None or not self.pool.attached
-            needs = capture.pack(capture.collect(explicit, self.shell.user_ns), shared)
+            named = capture.collect(explicit, self.shell.user_ns)  # missing: said before a start
             imports = capture.check_imports(args.imports)
             size = args.n or (self.pool and self.pool.world_size)
             ranks = capture.parse_ranks(args.ranks, size)
@@ -490,6 +490,10 @@ class DDPMagics(Magics):
         pool = self._want_pool(args.n)
         if ranks and max(ranks) >= pool.world_size:
             raise UsageError(f"--ranks: no rank {max(ranks)} in a pool of {pool.world_size}")
+        try:
+            needs = capture.pack(named, pool.shm_folder)
+        except CaptureError as exc:
+            raise UsageError(str(exc)) from None
         auto = None
         if self.auto and not args.no_auto:
             auto, imports = self._capture(pool, cell, ranks, explicit, needs, imports)
@@ -535,7 +539,7 @@ class DDPMagics(Magics):
                 capture.names_imported(self.import_log),
                 lambda name, obj: self._shipped.unchanged(pool.generation, name, obj),
             )
-            auto = capture.pack(objects, not pool.attached)
+            auto = capture.pack(objects, pool.shm_folder)
             for name, obj in objects.items():
                 self._shipped.sent(name, obj)
         except CaptureError as exc:

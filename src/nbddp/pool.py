@@ -240,6 +240,7 @@ class Pool:
         self.refused: list[str] = []  # connections refused (bad token, wrong world size)
         self._launcher: Launcher | None = None
         self._dir: str | None = None
+        self._shm: str | None = None  # the pool's private shared-memory folder (listen())
         self._listener: socket.socket | None = None
         self._token = token or b""
         self._authed: queue.SimpleQueue = queue.SimpleQueue()  # (conn, hello) from handshakes
@@ -322,6 +323,12 @@ class Pool:
         """Global names every one of ``ranks`` (all by default) has, as last reported."""
         chosen = [self._ranks[r] for r in (ranks if ranks is not None else self._ranks)]
         return frozenset.intersection(*(r.names for r in chosen)) if chosen else frozenset()
+
+    @property
+    def shm_folder(self) -> str | None:
+        """Where tensors shipped to the ranks go: the pool's private shared-memory folder
+        (removed with the pool), or None for ranks on other hosts (inside the pickle)."""
+        return None if self.attached else self._shm
 
     @property
     def generation(self) -> int:
@@ -812,7 +819,7 @@ class Pool:
         if bad:
             raise ValueError(f"no rank {bad[0]} in a pool of {self.world_size}")
         if isinstance(needs, dict):
-            needs = capture.pack(needs)
+            needs = capture.pack(needs, self.shm_folder)
         cell = next(self._cells)
         shown = {0} if display_ranks is None else set(display_ranks)
         run = {  # two messages at most, each pickled once for every rank
