@@ -151,18 +151,23 @@ def page(tmp_path):
             browser.close()
 
 
+def run_all(page, url: str):
+    """Open the notebook, wait for its kernel, run every cell; the %%ddp cell's locator."""
+    page.goto(url)
+    playwright.expect(
+        page.locator(".jp-StatusBar-TextItem", has_text="Python 3 (ipykernel) | Idle")
+    ).to_be_visible(timeout=90_000)
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+    return page.locator(".jp-Notebook .jp-Cell").nth(1)
+
+
 @pytest.mark.timeout(300)
 def test_a_rank_of_four_failing_before_a_collective_ends_the_cell_with_its_row_red(lab, page):
     expect = playwright.expect
     url, _ = lab
     ARTIFACTS.mkdir(exist_ok=True)
     try:
-        page.goto(url)
-        expect(
-            page.locator(".jp-StatusBar-TextItem", has_text="Python 3 (ipykernel) | Idle")
-        ).to_be_visible(timeout=90_000)
-        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-        cell = page.locator(".jp-Notebook .jp-Cell").nth(1)
+        cell = run_all(page, url)
         error = cell.locator(
             ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
         )
@@ -218,12 +223,7 @@ def test_sixteen_ranks_fold_their_lines_and_the_failed_rank_stands_out(lab, page
     url, _ = lab
     ARTIFACTS.mkdir(exist_ok=True)
     try:
-        page.goto(url)
-        expect(
-            page.locator(".jp-StatusBar-TextItem", has_text="Python 3 (ipykernel) | Idle")
-        ).to_be_visible(timeout=90_000)
-        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-        cell = page.locator(".jp-Notebook .jp-Cell").nth(1)
+        cell = run_all(page, url)
         live = cell.locator(".nbddp-dashboard.nbddp-live")
         expect(live).to_be_visible(timeout=120_000)
         # 48 lines from 16 ranks are three folded lines

@@ -92,9 +92,9 @@ def until_the_end(pool: Pool, events) -> P.CellEnd:
             pool.interrupt()
 
 
-def interrupted_cell(pool: Pool, after: float, how) -> P.CellEnd:
+def interrupted_cell(pool: Pool, after: float, how, **run) -> P.CellEnd:
     timer = threading.Timer(after, how)
-    events = pool.run(LOOP)
+    events = pool.run(LOOP, **run)
     try:
         timer.start()  # the clock starts as run() returns, before the cell is sent
     except KeyboardInterrupt:  # Ctrl-C at once: it lands here, as it would in the magics
@@ -149,13 +149,7 @@ def test_an_interrupt_while_the_ranks_load_shipped_data_ends_the_cell(ranks, aft
 
     needs = {"big": torch.ones(25_000_000)}  # 100 MB through shared memory
     for _ in range(3):
-        timer = threading.Timer(after_ms / 1000, ranks.interrupt)
-        events = ranks.run(LOOP, needs=needs)
-        timer.start()
-        try:
-            end = until_the_end(ranks, events)
-        finally:
-            timer.cancel()
+        end = interrupted_cell(ranks, after_ms / 1000, ranks.interrupt, needs=needs)
         assert end.interrupted == "interrupt"
         assert not ranks.needs_restart
     assert ranks.execute("kept") == [r * 10 for r in range(ranks.world_size)]
