@@ -48,8 +48,16 @@ def test_a_missing_name_is_named():
 
 def test_an_unpicklable_object_is_named_with_the_reason():
     objs = {"fine": 1, "lock": threading.Lock()}
-    with pytest.raises(CaptureError, match=r"cannot ship 'lock' \(lock\).*cannot pickle"):
+    with pytest.raises(
+        CaptureError, match=r"^cannot ship 'lock' \(lock\) to the ranks: TypeError: cannot pickle"
+    ):
         pack(objs)
+
+
+def test_a_shipment_that_fails_only_as_a_whole_says_why(tmp_path):
+    gone = str(tmp_path / "gone")  # big tensors cannot go into a folder that is not there
+    with pytest.raises(CaptureError, match=r"^cannot ship the objects: FileNotFoundError: .*gone"):
+        pack({"big": torch.ones(1 << 19)}, gone)
 
 
 def test_pack_round_trips_functions_by_value():

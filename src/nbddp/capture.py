@@ -146,9 +146,10 @@ class _Scope:
         for stmt in body:
             self.statement(stmt, bound)
 
-    def read(self, nodes, bound: set[str]) -> None:
-        """What an expression reads (a walrus in it binds, at once)."""
-        reads, binds = _reads_and_binds(nodes)
+    def read(self, nodes, bound: set[str], targets: bool = False) -> None:
+        """What ``nodes`` read, then what they bind (a statement, or a walrus in an
+        expression); ``targets``: they are assignment targets or a match pattern."""
+        reads, binds = _reads_and_binds(nodes, targets)
         for name in reads:
             if name not in bound:
                 self.found.setdefault(name)
@@ -156,11 +157,7 @@ class _Scope:
 
     def bind(self, nodes, bound: set[str]) -> None:
         """Names assigned to by ``nodes`` (targets, patterns), after what they read."""
-        reads, binds = _reads_and_binds(nodes, targets=True)
-        for name in reads:
-            if name not in bound:
-                self.found.setdefault(name)
-        bound |= binds
+        self.read(nodes, bound, targets=True)
 
     def statement(self, stmt: ast.stmt, bound: set[str]) -> None:
         if isinstance(stmt, ast.If | ast.While):
@@ -199,14 +196,10 @@ class _Scope:
                     self.read([case.guard], inner)
                 self.block(case.body, inner)
         else:  # a simple statement, a def or a class: what it reads, then what it binds
-            reads, binds = _reads_and_binds([stmt])
-            for name in reads:
-                if name not in bound:
-                    self.found.setdefault(name)
-            bound |= binds
+            self.read([stmt], bound)
 
 
-def _reads_and_binds(nodes: list[ast.AST], targets: bool = False) -> tuple[list[str], set[str]]:
+def _reads_and_binds(nodes: list[ast.AST], targets: bool) -> tuple[list[str], set[str]]:
     """Global reads (in order of first appearance) and top-level bindings of ``nodes``,
     from ``symtable`` run on them as a little module of their own.
 
@@ -227,7 +220,7 @@ def _reads_and_binds(nodes: list[ast.AST], targets: bool = False) -> tuple[list[
     source = ast.unparse(module)
     try:
         top = symtable.symtable(source, "<cell>", "exec")  # pragma: no mutate (the name)
-    except SyntaxError:  # top-level await and the like: every name counts as read
+    except SyntaxError:  # what symtable refuses (nonlocal at the top): every name is read
         names = [n.id for n in ast.walk(module) if isinstance(n, ast.Name)]
         return list(dict.fromkeys(names)), set()
     reads: set[str] = set()

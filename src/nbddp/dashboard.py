@@ -102,16 +102,18 @@ class _Folding:
         lines = self.lines(event.rank, event.stream).feed(event.text)
         return self.folder.feed_lines(event.rank, event.stream, lines, self.clock())
 
-    def add(self, rank: int, stream: str, line: str) -> list[Group]:
-        return self.folder.feed(rank, stream, line, self.clock())
+    def _unfinished(self, rank: int) -> list[Group]:
+        """The rank's unfinished lines, counted as lines from now on."""
+        out = []
+        for stream in ("stdout", "stderr"):
+            out += self.folder.feed_lines(
+                rank, stream, self.lines(rank, stream).flush(), self.clock()
+            )
+        return out
 
     def settle(self, rank: int) -> list[Group]:
         """``rank`` ended: its unfinished lines count as lines, and nothing waits for it."""
-        out = []
-        for stream in ("stdout", "stderr"):
-            for line in self.lines(rank, stream).flush():
-                out += self.add(rank, stream, line)
-        return out + self.folder.finish(rank, self.clock())
+        return self._unfinished(rank) + self.folder.finish(rank, self.clock())
 
     def state(self, event: P.RankState) -> list[Group]:
         if event.state == "running":
@@ -120,22 +122,20 @@ class _Folding:
         return self.settle(event.rank)
 
     def result_lines(self, event: P.RankResult) -> list[Group]:
-        out = []
-        for stream in ("stdout", "stderr"):  # what it printed before comes first
-            for line in self.lines(event.rank, stream).flush():
-                out += self.add(event.rank, stream, line)
-        for i, line in enumerate(event.value_repr.splitlines() or [""]):
-            out += self.add(event.rank, "stdout", f"{'Out: ' if i == 0 else '     '}{line}")
-        return out
+        out = self._unfinished(event.rank)  # what it printed before comes first
+        shown = [
+            f"{'Out: ' if i == 0 else '     '}{line}"
+            for i, line in enumerate(event.value_repr.splitlines() or [""])
+        ]
+        return out + self.folder.feed_lines(event.rank, "stdout", shown, self.clock())
 
     def due(self) -> list[Group]:
         return self.folder.due(self.clock())
 
     def flush(self) -> list[Group]:
         out = []
-        for (rank, stream), lines in list(self._partial.items()):
-            for line in lines.flush():
-                out += self.add(rank, stream, line)
+        for rank in sorted({rank for rank, _ in self._partial}):
+            out += self._unfinished(rank)
         return out + self.folder.flush()
 
 
