@@ -4,7 +4,9 @@ In one run, on this machine:
 
 - simulated ranks (tests/simranks.py: processes that speak nbddp's protocol over
   the same three connections per rank as torchrun ranks, without torch) at 8, 64,
-  256 and 1,024 ranks, attached over TCP as ``%ddp attach`` does;
+  256 and 1,024 ranks, attached over TCP as ``%ddp attach`` does, 8 ranks to a
+  simulated host: through nbddp's relay per host (as torchrun ranks go) and, side
+  by side, connected directly (NBDDP_RELAY=0);
 - real torch ranks (a local pool, gloo) at 8, 16 and 32.
 
 For each size: the time to attach (or start) every rank; a trivial cell's round
@@ -80,12 +82,12 @@ def measure(pool: Pool, reps: int) -> dict:
     }
 
 
-def simulated(n: int, reps: int, procs: int) -> tuple[Pool, list, float]:
+def simulated(n: int, procs: int, relay: bool = True) -> tuple[Pool, list, float]:
     token = secrets.token_bytes(16)
     pool = Pool(n, listen=("127.0.0.1", 0), token=token, start_timeout=120)
     address = pool.listen()
     t0 = time.perf_counter()
-    sims = simranks.start(address, token, n, procs=min(procs, n))
+    sims = simranks.start(address, token, n, procs=min(procs, n), relay=relay)
     pool.start()
     return pool, sims, time.perf_counter() - t0
 
@@ -93,7 +95,7 @@ def simulated(n: int, reps: int, procs: int) -> tuple[Pool, list, float]:
 def memory_over_cells(cells: int, n: int, procs: int) -> dict:
     from ipywidgets.widgets.widget import _instances
 
-    pool, sims, _ = simulated(n, 0, procs)
+    pool, sims, _ = simulated(n, procs)
     me = psutil.Process()
     rss = []
     try:
@@ -122,25 +124,28 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for kind, style in (("simulated", "o-"), ("real", "s--")):
+    names = {"simulated": "relay per host", "direct": "simulated, direct", "real": "real ranks"}
+    for kind, style in (("simulated", "o-"), ("direct", "^:"), ("real", "s--")):
         rows = sorted((int(n), r) for n, r in results[kind].items())
         if not rows:
             continue
         ns = [n for n, _ in rows]
-        ax.plot(ns, [r["round_trip_ms"] for _, r in rows], style, label=f"round trip, {kind}")
+        ax.plot(
+            ns, [r["round_trip_ms"] for _, r in rows], style, label=f"round trip, {names[kind]}"
+        )
         ax.plot(
             ns,
             [r["notebook_cpu_ms"] for _, r in rows],
             style,
             alpha=0.6,
-            label=f"notebook CPU, {kind}",
+            label=f"notebook CPU, {names[kind]}",
         )
         ax.plot(
             ns,
             [r["dashboard_cpu_ms"] - r["notebook_cpu_ms"] for _, r in rows],
             style,
             alpha=0.35,
-            label=f"dashboard CPU over bare, {kind}",
+            label=f"dashboard CPU over bare, {names[kind]}",
         )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -161,20 +166,29 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--procs", type=int, default=4, help="processes serving simulated ranks")
     parser.add_argument("--memory-cells", type=int, default=1000)
+    parser.add_argument(
+        "--no-direct",
+        dest="direct",
+        action="store_false",
+        help="skip simulated ranks without relays",
+    )
     parser.add_argument("--plot", default=str(ROOT / "docs" / "img" / "scale.png"))
     parser.add_argument("--json")
     args = parser.parse_args()
 
-    results: dict = {"simulated": {}, "real": {}}
+    results: dict = {"simulated": {}, "direct": {}, "real": {}}
     for n in [int(x) for x in args.simulated.split(",") if x]:
-        pool, sims, attach = simulated(n, args.reps, args.procs)
-        try:
-            results["simulated"][n] = {"attach_s": attach, **measure(pool, args.reps)}
-        finally:
-            pool.stop()
-            for s in sims:
-                s.wait(30)
-        print(n, "simulated", results["simulated"][n], flush=True)
+        for kind, relay in (("simulated", True), ("direct", False)):
+            if kind == "direct" and not args.direct:
+                continue
+            pool, sims, attach = simulated(n, args.procs, relay)
+            try:
+                results[kind][n] = {"attach_s": attach, **measure(pool, args.reps)}
+            finally:
+                pool.stop()
+                for s in sims:
+                    s.wait(30)
+            print(n, kind, results[kind][n], flush=True)
     for n in [int(x) for x in args.real.split(",") if x]:
         t0 = time.perf_counter()
         with Pool(n) as pool:
@@ -189,14 +203,20 @@ def main() -> None:
         "\nranks  kind       attach s  round trip ms  notebook CPU ms  "
         "dashboard ms (CPU)  text ms (CPU)"
     )
-    for kind in ("simulated", "real"):
+    for kind in ("simulated", "direct", "real"):
         for n, r in results[kind].items():
             print(
                 f"{n:>5}  {kind:<9} {r['attach_s']:9.2f} {r['round_trip_ms']:14.1f} "
                 f"{r['notebook_cpu_ms']:16.1f} {r['dashboard_ms']:10.1f} "
                 f"({r['dashboard_cpu_ms']:.1f}) {r['text_ms']:8.1f} ({r['text_cpu_ms']:.1f})"
             )
-    sims, real = results["simulated"], results["real"]
+    sims, real, direct = results["simulated"], results["real"], results["direct"]
+    for n in sorted(set(sims) & set(direct)):
+        print(
+            f"direct / relayed at {n} ranks: round trip "
+            f"{direct[n]['round_trip_ms'] / sims[n]['round_trip_ms']:.2f}x, notebook CPU "
+            f"{direct[n]['notebook_cpu_ms'] / sims[n]['notebook_cpu_ms']:.2f}x"
+        )
     for n in sorted(set(sims) & set(real)):
         print(
             f"real / simulated round trip at {n} ranks: "

@@ -13,6 +13,7 @@ COUNT [RANKS_PER_HOST]``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import selectors
@@ -23,17 +24,19 @@ from multiprocessing.connection import Client
 from pathlib import Path
 
 P = None  # nbddp.protocol, loaded by _load_protocol()
+R = None  # nbddp.relay
 
 
 def _load_protocol():
     """nbddp's protocol module under its own name (what the notebook unpickles), without
     the package's __init__ where nbddp is not imported yet (it would import torch)."""
-    global P
+    global P, R
     if "nbddp" not in sys.modules:
         package = types.ModuleType("nbddp")
         package.__path__ = [str(Path(__file__).resolve().parent.parent / "src" / "nbddp")]
         sys.modules["nbddp"] = package
     P = importlib.import_module("nbddp.protocol")
+    R = importlib.import_module("nbddp.relay")
 
 
 def parse_address(address: str):
@@ -41,6 +44,22 @@ def parse_address(address: str):
         return address, "AF_UNIX"
     host, _, port = address.rpartition(":")
     return (host, int(port)), "AF_INET"
+
+
+# the ranks a process serves get the same messages: decode, compile and answer once
+# (the simulation's own cost is not nbddp's; a real rank does this in its own process)
+_decoded = functools.lru_cache(maxsize=4)(lambda data: P.loads(data))
+_compiled = functools.lru_cache(maxsize=4)(lambda code: compile(code, "<cell>", "exec"))
+
+
+class _DoneOk(dict):
+    def __missing__(self, cell: int) -> bytes:
+        self.clear()
+        self[cell] = P.dumps(P.Done(cell, "ok"))
+        return self[cell]
+
+
+_OK = _DoneOk()
 
 
 class SimRank:
@@ -70,7 +89,13 @@ class SimRank:
             self.control = Client(addr, family, authkey=token)
             self.control.send_bytes(P.dumps(hello))
         self.namespace = {"rank": rank, "world_size": world, "print": self._print}
+        self.namespace["leave"] = self._leave  # this rank dies (its connections close)
+        self.left = False
+        self.relayed = "/" in address
         self.control.send_bytes(P.dumps(P.Ready("gloo", "cpu")))
+
+    def _leave(self) -> None:
+        self.left = True
 
     def _print(self, *args, sep=" ", end="\n", file=None, flush=False) -> None:
         stream = "stderr" if file is sys.stderr else "stdout"
@@ -79,19 +104,26 @@ class SimRank:
     def handle(self) -> bool:
         """One message from the notebook; False when this rank is done."""
         try:
-            msg = P.loads(self.control.recv_bytes())
+            data = self.control.recv_bytes()
         except (EOFError, OSError):
             return False
+        msg = _decoded(data)
         if isinstance(msg, P.Run):
             status, error = "ok", None
             try:
-                exec(msg.code, self.namespace)
+                exec(_compiled(msg.code), self.namespace)
             except Exception as exc:
                 status = "error"
                 error = P.ErrorInfo(type(exc).__name__, str(exc), f"{type(exc).__name__}: {exc}")
+            if self.left:
+                return False
             for conn in self.streams.values():
-                os.write(conn.fileno(), P.end_marker(msg.cell))
-            self.control.send_bytes(P.dumps(P.Done(msg.cell, status, error=error)))
+                if not self.relayed:  # as a real rank: behind a relay, no end markers
+                    os.write(conn.fileno(), P.end_marker(msg.cell))
+            done = (
+                _OK[msg.cell] if error is None else P.dumps(P.Done(msg.cell, status, error=error))
+            )
+            self.control.send_bytes(done)
         elif isinstance(msg, P.Query):
             self.control.send_bytes(P.dumps(P.StatusReply(0, "cpu")))
         elif isinstance(msg, P.StackQuery):
@@ -113,10 +145,20 @@ def serve(
     count: int,
     per_host: int,
     streams_first: bool = False,
+    relay: bool = False,
 ) -> None:
     _load_protocol()
+    connect_to = {}  # rank -> address: the notebook, or its host's relay
+    for r in range(first, first + count):
+        connect_to[r] = address
+        if relay:  # nbddp's own relay, started as local rank 0 of a torchrun node starts it
+            host = r // per_host
+            path = R.socket_path(address, token, {"GROUP_RANK": str(host), "MASTER_PORT": "sim"})
+            if r % per_host == 0 or r == first:
+                R.start(path, parse_address(address), token)
+            connect_to[r] = path
     ranks = [
-        SimRank(address, token, r, world, per_host, streams_first)
+        SimRank(connect_to[r], token, r, world, per_host, streams_first)
         for r in range(first, first + count)
     ]
     selector = selectors.DefaultSelector()
@@ -137,16 +179,27 @@ def start(
     procs: int,
     per_host: int = 8,
     streams_first: bool = False,
+    relay: bool = False,
 ) -> list:
-    """``procs`` processes serving ``world`` ranks between them; returns the Popen objects."""
+    """``procs`` processes serving ``world`` ranks between them; returns the Popen objects.
+
+    With ``relay``, the ranks of each simulated host (``per_host`` of them) go through
+    one nbddp relay, as torchrun ranks on a host do."""
     share = -(-world // procs)
+    share = -(-share // per_host) * per_host  # a host's ranks are served by one process
     out = []
     for first in range(0, world, share):
         count = min(share, world - first)
         argv = [address, token.hex(), str(world), str(first), str(count), str(per_host)]
         out.append(
             subprocess.Popen(
-                [sys.executable, __file__, *argv, *(["streams-first"] if streams_first else [])],
+                [
+                    sys.executable,
+                    __file__,
+                    *argv,
+                    *(["streams-first"] if streams_first else []),
+                    *(["relay"] if relay else []),
+                ],
                 start_new_session=True,
             )
         )
@@ -163,4 +216,5 @@ if __name__ == "__main__":
         int(count),
         int(per_host),
         "streams-first" in flags,
+        "relay" in flags,
     )

@@ -184,6 +184,9 @@ class TextSink:
     def handle(self, event: object) -> None:
         if isinstance(event, P.Output):
             self._take(self._fold.output(event))
+        elif isinstance(event, P.RankStates):
+            for one in event.each():
+                self.handle(one)
         elif isinstance(event, P.RankState):
             self._take(self._fold.state(event))
         elif isinstance(event, P.RankResult) and event.value_repr is not None and not self.quiet:
@@ -398,6 +401,12 @@ class Dashboard:
     # -- events
 
     def handle(self, event: object) -> None:
+        if isinstance(event, P.RankStates):  # many ranks, one render
+            for one in event.each():
+                if one.rank in self.views:
+                    self._state(one.rank, self.views[one.rank], one)
+            self._render()
+            return
         view = self.views.get(getattr(event, "rank", None))
         if isinstance(event, P.Output):
             if view is None:  # a rank outside the cell printed (a background thread)

@@ -100,11 +100,15 @@ class RankStatus:
 
 
 class _Stream:
-    """One rank's stdout or stderr: raw bytes in, text pieces and end markers out."""
+    """One rank's stdout or stderr: raw bytes in, text pieces and end markers out.
 
-    def __init__(self, conn: Connection, name: str) -> None:
+    ``conn`` is None for a rank behind a relay: the relay feeds its bytes, with the
+    end markers already taken out.
+    """
+
+    def __init__(self, conn: Connection | None, name: str) -> None:
         self.conn = conn
-        self.fd = conn.fileno()
+        self.fd = None if conn is None else conn.fileno()
         self.name = name
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._held = ""
@@ -117,6 +121,10 @@ class _Stream:
             return []
         except OSError:
             data = b""
+        return self.feed(data)
+
+    def feed(self, data: bytes) -> list[str | int]:
+        """Text pieces and end markers in ``data``; no data is the end of the stream."""
         if not data:
             self.eof = True
             text = self._held + self._decoder.decode(b"", final=True)
@@ -127,6 +135,8 @@ class _Stream:
 
     def read_available(self) -> list[str | int]:
         """Everything already written, without waiting (used when the writer died)."""
+        if self.fd is None:  # a relay sent all there was before the rank's end
+            return [] if self.eof else self.feed(b"")
         os.set_blocking(self.fd, False)
         pieces: list[str | int] = []
         while not self.eof:
@@ -137,12 +147,37 @@ class _Stream:
         return pieces
 
 
+class _Relay:
+    """A host's relay (nbddp.relay): one connection carries all its ranks' traffic."""
+
+    def __init__(self, conn: Connection, hello: P.RelayHello) -> None:
+        self.conn, self.host, self.pid = conn, hello.host, hello.pid
+        self.ranks: set[int] = set()
+
+    def send(self, ranks: tuple[int, ...], data: bytes, cell: int = 0) -> bool:
+        """``data`` for each of ``ranks`` (``cell``: it is that cell's Run), in one frame;
+        a big message follows its frame as it is, not copied into a pickle."""
+        big = len(data) > _INLINE
+        frame = pickle.dumps((ranks, cell, None if big else data), pickle.HIGHEST_PROTOCOL)
+        try:
+            self.conn.send_bytes(frame)
+            if big:
+                self.conn.send_bytes(data)
+            return True
+        except OSError:
+            return False
+
+
+_INLINE = 1 << 16  # messages to ranks behind a relay up to this size travel in the frame
+
+
 @dataclass
 class _Rank:
     rank: int
     pid: int
     host: str = ""
-    conn: Connection | None = None
+    conn: Connection | None = None  # behind a relay: the relay's connection
+    relay: _Relay | None = None
     streams: dict[str, _Stream] = field(default_factory=dict)
     state: str = "starting"  # starting | idle | running | dead
     device: str = ""
@@ -157,6 +192,8 @@ class _Rank:
     def send_bytes(self, data: bytes) -> bool:
         if self.conn is None or self.state == "dead":
             return False
+        if self.relay is not None:
+            return self.relay.send((self.rank,), data)
         try:
             self.conn.send_bytes(data)
             return True
@@ -246,6 +283,7 @@ class Pool:
         self._authed: queue.SimpleQueue = queue.SimpleQueue()  # (conn, hello) from handshakes
         self._early: dict[int, list] = {}  # attached: streams that came before their rank
         self._ranks: dict[int, _Rank] = {}
+        self._relays: list[_Relay] = []  # attached: one per host with several ranks
         self._store_port: int | None = None
         self._reforms = 0  # re-forms of the group, each named in the ranks' shared store
         self._backlog: list[P.Output] = []
@@ -469,14 +507,18 @@ class Pool:
         for r in ranks:
             for conn in [r.conn, *(s.conn for s in r.streams.values())]:
                 if conn is not None:
-                    if not conn.closed:
-                        self._unwatch(conn.fileno())
+                    self._unwatch_conn(conn)
                     conn.close()
         self._ranks.clear()
         for early in self._early.values():
-            for conn, _ in early:
-                conn.close()
+            for conn, _, relay in early:
+                if relay is None:
+                    conn.close()
         self._early.clear()
+        for relay in self._relays:
+            self._unwatch_conn(relay.conn)
+            relay.conn.close()
+        self._relays.clear()
         for log in self._logs.values():
             log.close()
         self._logs.clear()
@@ -528,6 +570,8 @@ class Pool:
                     os.read(self._wake_r, 4096)
             elif what is sentinels:
                 ended = True
+            elif isinstance(what, _Relay):
+                items += self._service_relay(what)
             else:
                 items += self._service(key.fd, *what)
         while not self._authed.empty():
@@ -552,6 +596,53 @@ class Pool:
             self._unwatch(fd)
         return items
 
+    def _service_relay(self, relay: _Relay) -> list[tuple]:
+        """What came from a host's relay: the same items as from its ranks, one frame."""
+        try:
+            frame = pickle.loads(relay.conn.recv_bytes())
+        except (EOFError, OSError):  # the relay ended: so did its ranks' connections
+            self._unwatch_conn(relay.conn)
+            relay.conn.close()
+            return [("gone", rank) for rank in sorted(relay.ranks) if self._live(rank)]
+        items: list[tuple] = []
+        for item in frame:
+            kind, who = item[0], item[1]
+            if kind == "out":
+                r = self._ranks.get(who)
+                s = r.streams.get(item[2]) if r is not None and r.state != "dead" else None
+                if s is not None:
+                    items += self._stream_items(r, s, s.feed(item[3]))
+            elif kind == "done":  # equal for every one of the ranks: decoded once
+                ranks = self._ranks
+                live = tuple(r for r in who if r in ranks and ranks[r].state != "dead")
+                items.append(("dones", live, P.loads(item[2])))
+            elif kind == "msg":
+                if self._live(who):
+                    items.append(("msg", who, P.loads(item[2])))
+            elif kind == "gone":
+                if self._live(who):
+                    items.append(("gone", who))
+            elif kind == "hello":
+                self._attach(relay.conn, P.loads(item[2]), relay)
+        return items
+
+    def _live(self, rank: int) -> bool:
+        r = self._ranks.get(rank)
+        return r is not None and r.state != "dead"
+
+    def _deliver(self, ranks, data: bytes, cell: int = 0) -> None:
+        """Send one message to each of ``ranks``: one frame per relay, not one per rank.
+        ``cell``: the message is that cell's Run."""
+        via: dict[_Relay, list[int]] = {}
+        for rank in ranks:
+            r = self._ranks[rank]
+            if r.relay is None:
+                r.send_bytes(data)
+            elif r.state != "dead":
+                via.setdefault(r.relay, []).append(rank)
+        for relay, some in via.items():
+            relay.send(tuple(some), data, cell)
+
     # one selector for the pool's life: registering thousands of connections at every
     # wait made a cell's cost grow with the square of the ranks
 
@@ -563,6 +654,10 @@ class Pool:
     def _unwatch(self, fd: int) -> None:
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(fd)
+
+    def _unwatch_conn(self, conn: Connection) -> None:
+        if not conn.closed:
+            self._unwatch(conn.fileno())
 
     def _watch_sentinels(self) -> tuple:
         """Keep the launcher's exit sentinels registered; the marker their keys carry."""
@@ -640,6 +735,8 @@ class Pool:
 
     def _authenticate(self, sock: socket.socket, peer) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 5, 0))
+        if sock.family != socket.AF_UNIX:  # a relay's frames, and a rank's messages, go
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # out without delay
         conn = Connection(sock.detach())
         try:
             deliver_challenge(conn, self._token)
@@ -664,7 +761,19 @@ class Pool:
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"!")
 
-    def _attach(self, conn: Connection, hello: object) -> None:
+    def _attach(self, conn: Connection, hello: object, relay: _Relay | None = None) -> None:
+        """A connection that proved it holds the token, and its first message."""
+        if isinstance(hello, P.RelayHello):
+            if hello.version != P.PROTOCOL_VERSION:
+                conn.close()
+                raise PoolStartError(
+                    f"the relay of {hello.host} speaks protocol {hello.version}, the notebook "
+                    f"{P.PROTOCOL_VERSION}: install the same nbddp version on every host"
+                )
+            relay = _Relay(conn, hello)
+            self._relays.append(relay)
+            self._watch(conn.fileno(), relay)
+            return
         rank = getattr(hello, "rank", -1)
         if self.attached and isinstance(hello, P.Hello) and rank not in self._ranks:
             if hello.world_size != self.world_size or not 0 <= rank < self.world_size:
@@ -678,30 +787,37 @@ class Pool:
         r = self._ranks.get(rank)
         if r is None and self.attached and isinstance(hello, P.StreamHello):
             # its stream finished the handshake before its control connection did
-            self._early.setdefault(rank, []).append((conn, hello))
+            self._early.setdefault(rank, []).append((conn, hello, relay))
             return
         if r is None or r.state == "dead":
-            conn.close()
+            if relay is None:
+                conn.close()
             return
         if isinstance(hello, P.Hello):
             if hello.version != P.PROTOCOL_VERSION:
-                conn.close()
+                if relay is None:
+                    conn.close()
                 raise PoolStartError(
                     f"rank {hello.rank} speaks protocol {hello.version}, the notebook "
                     f"{P.PROTOCOL_VERSION}: install the same nbddp version on every host"
                 )
-            r.conn, r.pid, r.host = conn, hello.pid, hello.host
-            self._watch(conn.fileno(), (r, None))
+            r.conn, r.pid, r.host, r.relay = conn, hello.pid, hello.host, relay
+            if relay is None:
+                self._watch(conn.fileno(), (r, None))
+            else:
+                relay.ranks.add(rank)
             for early in self._early.pop(rank, ()):
                 self._attach(*early)
             if self._store_port is not None and r.rank != 0:
                 r.send(P.JoinGroup(self._store_port))
             if self.on_join is not None:
                 self.on_join(len(self._ranks), self.world_size)
+        elif isinstance(hello, P.StreamHello) and relay is not None:
+            r.streams[hello.stream] = _Stream(None, hello.stream)
         elif isinstance(hello, P.StreamHello):
             stream = r.streams[hello.stream] = _Stream(conn, hello.stream)
             self._watch(stream.fd, (r, stream))
-        else:
+        elif relay is None:
             conn.close()
 
     # ------------------------------------------------------------ start handshake
@@ -727,6 +843,8 @@ class Pool:
 
     def _handshake_item(self, item: tuple) -> None:
         kind, rank = item[0], item[1]
+        if kind == "dones":  # late, for a cell that has ended
+            return
         r = self._ranks[rank]
         if kind == "text":
             self._backlog.append(P.Output(rank, item[2], item[3]))
@@ -868,7 +986,8 @@ class Pool:
             grace=self.grace,
             timeout=timeout,
         )
-        out = _Outcome(cell, targets)
+        # a relay forwards a rank's Done after all it printed: no end markers to wait for
+        out = _Outcome(cell, targets, {r for r in targets if self._ranks[r].relay is not None})
         self._active = sup
         # while a cell runs, the notebook does little but read the ranks' output, and the
         # collector's full passes over the kernel's heap (torch and all) cost more than the
@@ -877,14 +996,14 @@ class Pool:
         if froze:
             gc.freeze()
         try:
-            pickled: dict[int, bytes] = {}
+            by_message: dict[int, list[int]] = {}  # one pickle per message, one write per relay
             for rank in targets:
-                msg = runs[rank]
-                if id(msg) not in pickled:
-                    pickled[id(msg)] = P.dumps(msg)
-                self._ranks[rank].state = "running"
-                self._ranks[rank].send_bytes(pickled[id(msg)])
-                yield P.RankState(rank, "running")
+                by_message.setdefault(id(runs[rank]), []).append(rank)
+            for some in by_message.values():
+                for rank in some:
+                    self._ranks[rank].state = "running"
+                self._deliver(some, P.dumps(runs[some[0]]), cell)
+            yield P.RankStates(tuple(targets), "running")
             while not sup.finished:
                 yield from self._cell_step(sup, out, tick)
         finally:
@@ -935,7 +1054,10 @@ class Pool:
         if not items and tick_at is not None and time.monotonic() >= tick_at:
             yield P.Tick()
         for item in items:
-            yield from self._cell_item(sup, out, item)
+            if item[0] == "dones":  # a relay's ranks that ended the cell the same way
+                yield from self._dones(sup, out, item[1], item[2])
+            else:
+                yield from self._cell_item(sup, out, item)
         yield from self._act(sup, out)
 
     def _act(self, sup: CellSupervisor, out: _Outcome):
@@ -957,8 +1079,7 @@ class Pool:
                 yield from self._stop_pool(sup, out, action)
 
     def _send(self, ranks, msg: object) -> None:
-        for rank in ranks:
-            self._ranks[rank].send(msg)
+        self._deliver(ranks, P.dumps(msg))
 
     def _cell_item(self, sup: CellSupervisor, out: _Outcome, item: tuple):
         kind, rank = item[0], item[1]
@@ -970,13 +1091,8 @@ class Pool:
             if item[3] == sup.cell:
                 out.marks[rank].discard(item[2])
                 yield from self._maybe_finish(sup, out, rank)
-        elif isinstance(msg, P.Done) and msg.cell == sup.cell:
-            out.done[rank] = msg
-            sup.done(rank, msg.status, time.monotonic())
-            r.state = "idle"
-            if msg.names is not None:
-                r.names = frozenset(msg.names)
-            yield from self._maybe_finish(sup, out, rank)
+        elif isinstance(msg, P.Done):
+            yield from self._dones(sup, out, (rank,), msg)
         elif isinstance(msg, P.Stacks):
             place = sup.stacks(rank, msg.frames, time.monotonic())
             if place is not None:
@@ -991,11 +1107,41 @@ class Pool:
         elif kind == "gone" and r.state != "dead":
             yield from self._rank_died(sup, out, r)
 
+    def _dones(
+        self, sup: CellSupervisor, out: _Outcome, ranks: tuple[int, ...], msg: P.Done
+    ) -> list:
+        """The same Done from each of ``ranks`` (one rank, or a relay's group of them); the
+        events it makes (a list: at scale, a thousand events a cell pass through here)."""
+        if msg.cell != sup.cell:
+            return []
+        names = None if msg.names is None else frozenset(msg.names)
+        for rank in ranks:
+            r = self._ranks[rank]
+            r.state = "idle"
+            if names is not None:
+                r.names = names
+        out.done.update(dict.fromkeys(ranks, msg))
+        now = time.monotonic()
+        if any(out.marks[rank] for rank in ranks):  # direct: finished by its end markers
+            events = []
+            for rank in ranks:
+                sup.done(rank, msg.status, now)
+                events += self._maybe_finish(sup, out, rank)
+            return events
+        # behind a relay, the output is in: done and finished at once, a group in one step
+        finished = sup.ended_together(ranks, msg.status, now)
+        if msg.status == "ok" and msg.value is None and msg.value_repr is None:
+            return [P.RankStates(tuple(finished), "done")] if finished else []  # as finish
+        return [event for rank in finished for event in self._finish(out, rank)]
+
     def _maybe_finish(self, sup: CellSupervisor, out: _Outcome, rank: int):
         if rank in out.done and not out.marks[rank] and sup.ended(rank):
-            if out.done[rank].error is not None and self.log_dir is not None:
-                self._log_error(rank, out.done[rank].error)
-            yield from out.finish(rank)
+            yield from self._finish(out, rank)
+
+    def _finish(self, out: _Outcome, rank: int):
+        if out.done[rank].error is not None and self.log_dir is not None:
+            self._log_error(rank, out.done[rank].error)
+        yield from out.finish(rank)
 
     # ------------------------------------------------------------ failures
 
@@ -1203,13 +1349,17 @@ class Pool:
         return {rank: reply.frames for rank, reply in sorted(replies.items())}
 
 
+_NO_MARKS: frozenset[str] = frozenset()
+
+
 class _Outcome:
     """What came back from one cell's ranks: output ends, results, errors, exits."""
 
-    def __init__(self, cell: int, targets: list[int]) -> None:
+    def __init__(self, cell: int, targets: list[int], relayed: set[int] = frozenset()) -> None:
         self.cell = cell
         self.targets = targets
-        self.marks = {r: {"stdout", "stderr"} for r in targets}
+        # the end markers still to come, by rank (none behind a relay: it reads them)
+        self.marks = {r: _NO_MARKS if r in relayed else {"stdout", "stderr"} for r in targets}
         self.done: dict[int, P.Done] = {}
         self.values: dict[int, object] = {}
         self.errors: dict[int, P.ErrorInfo] = {}

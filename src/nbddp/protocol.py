@@ -53,9 +53,11 @@ __all__ = [
     "RankProgress",
     "RankResult",
     "RankState",
+    "RankStates",
     "RankWhere",
     "Ready",
     "Reform",
+    "RelayHello",
     "Run",
     "Script",
     "Shutdown",
@@ -71,7 +73,7 @@ __all__ = [
     "split_markers",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 # ---------------------------------------------------------------- data
@@ -108,6 +110,15 @@ class StreamHello:
     rank: int
     pid: int
     stream: str  # "stdout" | "stderr"
+
+
+@dataclass(frozen=True)
+class RelayHello:
+    """A host's relay (nbddp.relay): the ranks on ``host`` speak to the notebook through it."""
+
+    host: str
+    pid: int
+    version: int = PROTOCOL_VERSION
 
 
 @dataclass(frozen=True)
@@ -268,6 +279,18 @@ class RankState:
 
 
 @dataclass(frozen=True)
+class RankStates:
+    """Several ranks entered one state at once (every rank of a cell starting, a relay's
+    ranks ending together): a :class:`RankState` for each, in one event."""
+
+    ranks: tuple[int, ...]
+    state: str
+
+    def each(self) -> list[RankState]:
+        return [RankState(rank, self.state) for rank in self.ranks]
+
+
+@dataclass(frozen=True)
 class RankWhere:
     """Where a running rank is (a stack sample): ``waiting`` names the collective it waits in."""
 
@@ -333,6 +356,7 @@ class CellEnd:
 _MESSAGES = (
     Hello,
     StreamHello,
+    RelayHello,
     StorePort,
     Ready,
     Fatal,

@@ -50,6 +50,9 @@ SETTLE = 0.2  # seen waiting in the same collective this long after a failure: b
 ENDED = ("ok", "failed", "interrupted", "dead", "stopped")
 
 
+_FINAL = {"ok": "ok", "error": "failed"}  # a Done's status -> the phase it ends in
+
+
 class _Phases(dict):
     """rank -> phase, counting ranks per phase as they change: ``finished`` and the
     deadline ask after every event, and must not walk a thousand ranks each time."""
@@ -63,6 +66,13 @@ class _Phases(dict):
             self.count[self[rank]] -= 1
         self.count[phase] += 1
         super().__setitem__(rank, phase)
+
+    def move(self, ranks: list[int], phase: str) -> None:
+        """Each of ``ranks`` (all now in one phase) to ``phase``, in one step."""
+        if ranks:
+            self.count[self[ranks[0]]] -= len(ranks)
+            self.count[phase] += len(ranks)
+            self.update(dict.fromkeys(ranks, phase))
 
     def unfinished(self) -> int:
         return sum(n for phase, n in self.count.items() if phase not in ENDED)
@@ -164,8 +174,19 @@ class CellSupervisor:
         self.phase[rank] = self._final(rank)
         return True
 
+    def ended_together(self, ranks, status: str, now: float) -> list[int]:
+        """:meth:`done` and then :meth:`ended` for each of ``ranks`` at once (ranks behind a
+        relay: their output is in when their Done comes). Returns the ranks that ended."""
+        running = [r for r in ranks if self.phase.get(r) == "running"]
+        self.phase.move(running, _FINAL.get(status, "interrupted"))
+        self.status.update(dict.fromkeys(running, status))
+        if status != "ok":
+            for rank in running:
+                self._failed(rank, now)
+        return running
+
     def _final(self, rank: int) -> str:
-        return {"ok": "ok", "error": "failed"}.get(self.status[rank], "interrupted")
+        return _FINAL.get(self.status[rank], "interrupted")
 
     def died(self, rank: int, now: float) -> None:
         """The rank's process ended: the group is broken, every other rank is stopped."""
@@ -214,8 +235,7 @@ class CellSupervisor:
         self._pending.append(Action("stop", stuck, reason))
 
     def _abort_at(self, now: float) -> float | None:
-        running = self.running
-        if self.aborted_at is not None or not running or self.stopped:
+        if self.aborted_at is not None or not self.phase.count["running"] or self.stopped:
             return None
         times = []
         if self.first_failure is not None:
@@ -226,13 +246,13 @@ class CellSupervisor:
             return None
         trigger = self.triggered_at
         some_ended = any(p != "running" for p in self.phase.values())
-        if some_ended and all(self._blocked(r, trigger) for r in running):
+        if some_ended and all(self._blocked(r, trigger) for r in self.running):
             return now  # every rank left waits in a collective that cannot complete
         return min(times)
 
     def _still_blocked_after_abort(self, now: float) -> bool:
         if self.aborted_at is None or now < self.aborted_at + self.grace:
-            return False
+            return False  # (before the walk over the ranks: this is asked at every event)
         return any(self._blocked(r, self.aborted_at) for r in self.running)
 
     def _blocked(self, rank: int, after: float) -> bool:
@@ -283,9 +303,10 @@ class CellSupervisor:
             times.append(self.started + self.timeout)
         if self.interrupt_at is not None:
             times.append(self.interrupt_at + self.grace)
-        if self.aborted_at is not None and self.running and self.interrupt_at is None:
+        running = self.phase.count["running"]  # (asked at every event: no walk over the ranks)
+        if self.aborted_at is not None and running and self.interrupt_at is None:
             times.append(self.aborted_at + self.grace)
-        if self.aborted_at is None and self.running:
+        if self.aborted_at is None and running:
             if self.first_failure is not None:
                 times.append(self.first_failure[0] + self.abort_after)
             if self.interrupt_at is not None:

@@ -43,7 +43,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from . import payload, rich
+from . import payload, relay, rich
 from . import protocol as P
 from . import stacks as S
 from .ddp import DDPContext, default_backend, differences, threads_for
@@ -301,9 +301,12 @@ class CellInterrupts:
 class Worker:
     """A rank's life: handshake, process group, then cells until told to stop."""
 
-    def __init__(self, control: Connection, address: str, token: bytes) -> None:
+    def __init__(
+        self, control: Connection, address: str, token: bytes, relayed: bool = False
+    ) -> None:
         env = os.environ
         self.control = control
+        self.relayed = relayed  # behind this host's relay (nbddp.relay): no end markers
         self.address, self.token = address, token
         self.rank = int(env.get("RANK", 0))
         self.world_size = int(env.get("WORLD_SIZE", 1))
@@ -738,6 +741,8 @@ class Worker:
             except Exception:
                 pass
         _libc.fflush(None)
+        if self.relayed:  # the relay has all it wrote when Done comes (Unix sockets)
+            return
         marker = P.end_marker(cell)
         os.write(1, marker)
         os.write(2, marker)
@@ -820,6 +825,14 @@ def _extend_sys_path() -> None:
             sys.path.insert(1, path)
 
 
+def _through_relay(address: str, token: bytes) -> str:
+    """The address of this host's relay; local rank 0 starts it (see nbddp.relay)."""
+    path = relay.socket_path(address, token, os.environ)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        relay.start(path, parse_address(address), token)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nbddp.worker", description=__doc__)
     parser.add_argument(
@@ -831,19 +844,27 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = [sys.argv[0]]  # a cell calling a script's main() parses no worker options
     _extend_sys_path()
     token = _read_token(args.token_file)
+    address = args.connect
+    where = f"the notebook at {args.connect}"
+    if relay.wanted(parse_address(address)[1] == "AF_INET", os.environ):
+        where = f"this host's relay to {args.connect}"
+        try:
+            address = _through_relay(address, token)
+        except OSError as exc:
+            print(f"nbddp.worker: cannot start {where}: {exc}", file=sys.stderr)
+            return 2
     try:
-        control = connect(args.connect, token, args.connect_timeout)
+        control = connect(address, token, args.connect_timeout)
     except AuthenticationError:
         print(
-            f"nbddp.worker: the notebook at {args.connect} refused this worker's token "
-            "(is --token-file the notebook's?)",
+            f"nbddp.worker: {where} refused this worker's token (is --token-file the notebook's?)",
             file=sys.stderr,
         )
         return 3
     except (OSError, EOFError) as exc:
-        print(f"nbddp.worker: cannot reach the notebook at {args.connect}: {exc}", file=sys.stderr)
+        print(f"nbddp.worker: cannot reach {where}: {exc}", file=sys.stderr)
         return 2
-    return Worker(control, args.connect, token).serve()
+    return Worker(control, address, token, relayed=address != args.connect).serve()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,283 @@
+"""A relay per host (nbddp.relay): ranks attached from torchrun with several ranks on a
+host reach the notebook through one connection per host.
+
+Simulated ranks (tests/simranks.py) use nbddp's own relay as torchrun ranks do, two
+hosts of 2, 3, 4 and 8 ranks; real torchrun ranks check collectives, failures,
+interrupts and deaths through it at 2, 3, 4 and 8 ranks on one node.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Client, Connection
+
+import pytest
+
+import simranks
+from helpers import collect, free_port, wait_gone
+from nbddp import Pool, PoolClosedError, launch, relay
+from nbddp import protocol as P
+from nbddp.pool import raise_for_end
+
+
+def relay_folders() -> set[str]:
+    import tempfile
+
+    prefix = f"nbddp-relay-{os.getuid()}-"
+    return {f for f in os.listdir(tempfile.gettempdir()) if f.startswith(prefix)}
+
+
+def test_a_relay_is_wanted_for_several_ranks_on_a_host_over_tcp():
+    assert relay.wanted(True, {"LOCAL_WORLD_SIZE": "8"})
+    assert not relay.wanted(True, {"LOCAL_WORLD_SIZE": "1"})
+    assert not relay.wanted(True, {})
+    assert not relay.wanted(False, {"LOCAL_WORLD_SIZE": "8"})  # a local pool: no hop
+    assert not relay.wanted(True, {"LOCAL_WORLD_SIZE": "8", "NBDDP_RELAY": "0"})
+
+
+def test_the_ranks_of_a_node_share_a_relay_and_other_nodes_and_runs_do_not():
+    env = {"MASTER_ADDR": "h", "MASTER_PORT": "29500", "GROUP_RANK": "0"}
+    path = relay.socket_path("10.0.0.1:5000", b"t", env)
+    assert path == relay.socket_path("10.0.0.1:5000", b"t", dict(env))
+    assert path != relay.socket_path("10.0.0.1:5000", b"t", {**env, "GROUP_RANK": "1"})
+    assert path != relay.socket_path("10.0.0.1:5000", b"t", {**env, "MASTER_PORT": "1"})
+    assert path != relay.socket_path("10.0.0.1:5000", b"u", env)
+    restarted = {**env, "TORCHELASTIC_RESTART_COUNT": "1"}
+    assert path != relay.socket_path("10.0.0.1:5000", b"t", restarted)
+    assert len(path) < 100  # a Unix socket path must fit in 108 bytes
+
+
+def test_a_done_goes_up_after_all_its_rank_wrote_before_it(tmp_path):
+    """The relay in this process, a rank played by hand: 1 MB written in one call, then the
+    Done at once (more than the socket and one read hold are still unread when the relay
+    reads the Done): every byte reaches the notebook before the Done, ten times over."""
+    path = str(tmp_path / "relay.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+    ours, theirs = socket.socketpair()
+    notebook, up = Connection(ours.detach()), Connection(theirs.detach())
+    token = secrets.token_bytes(32)
+    serving = threading.Thread(target=relay.Relay(up, listener, token).serve, args=(30,))
+    serving.start()
+    control = Client(path, "AF_UNIX", authkey=token)
+    control.send_bytes(P.dumps(P.Hello(0, 1, 0, 1, os.getpid(), "here", False)))
+    streams = {}
+    for name in ("stdout", "stderr"):
+        streams[name] = Client(path, "AF_UNIX", authkey=token)
+        streams[name].send_bytes(P.dumps(P.StreamHello(0, os.getpid(), name)))
+
+    def frames(until):
+        items = []
+        while not any(until(i) for i in items):
+            assert notebook.poll(10), items
+            items += pickle.loads(notebook.recv_bytes())
+        return items
+
+    hellos = []
+    while len(hellos) < 3:
+        hellos += frames(lambda i: True)
+    assert [i[0] for i in hellos] == ["hello"] * 3
+    big = os.urandom(1 << 20)
+    for cell in range(1, 11):
+        notebook.send_bytes(pickle.dumps(((0,), cell, P.dumps(P.Run(cell, "")))))
+        assert P.loads(control.recv_bytes()).cell == cell
+
+        def rank(cell=cell):  # its last write returns once queued; the Done at once after
+            os.write(streams["stdout"].fileno(), big)
+            os.write(streams["stderr"].fileno(), b"last words\n")
+            control.send_bytes(P.dumps(P.Done(cell, "ok")))
+
+        playing = threading.Thread(target=rank)
+        playing.start()
+        items = frames(lambda i: i[0] == "done")
+        playing.join()
+        assert items[-1] == ("done", (0,), P.dumps(P.Done(cell, "ok")))
+        got = {name: b"".join(i[3] for i in items if i[:3] == ("out", 0, name)) for name in streams}
+        assert got == {"stdout": big, "stderr": b"last words\n"}
+    control.close()
+    assert frames(lambda i: i[0] == "gone") == [("gone", 0)]
+    serving.join(10)
+    assert not serving.is_alive()  # every rank has gone: the relay ends
+    for conn in (notebook, *streams.values()):
+        conn.close()
+
+
+# ---------------------------------------------------------------- simulated hosts
+
+
+@pytest.fixture
+def hosts():
+    """``hosts(per_host)``: a pool of two simulated hosts, each behind nbddp's relay."""
+    started = []
+
+    def _hosts(per_host: int) -> Pool:
+        n = 2 * per_host
+        token = secrets.token_bytes(16)
+        pool = Pool(n, listen=("127.0.0.1", 0), token=token, start_timeout=60)
+        sims = simranks.start(pool.listen(), token, n, 2, per_host=per_host, relay=True)
+        started.append((pool, sims))
+        return pool.start()
+
+    before = relay_folders()
+    yield _hosts
+    for pool, sims in started:
+        relays = [r.pid for r in pool._relays]
+        pool.stop()
+        for sim in sims:
+            sim.wait(30)
+        assert wait_gone(relays) == []  # a relay ends with its ranks
+    assert relay_folders() - before == set()
+
+
+@pytest.mark.parametrize("per_host", [2, 3, 4, 8])
+def test_every_line_of_every_rank_is_in_before_its_cell_ends(hosts, per_host):
+    pool = hosts(per_host)
+    assert len(pool._relays) == 2  # one connection per host, not three per rank
+    assert all(r.relay is not None for r in pool._ranks.values())
+    code = (  # 640 kB a rank: more than a socket holds, and than the relay reads at once
+        "for i in range(8000):\n    print(rank, i, '.' * 72)\n"
+        "import sys\nprint('err', rank, file=sys.stderr)\n"
+        "if rank == world_size - 2:\n    raise ValueError(f'rank {rank} is unhappy')"
+    )
+    for _ in range(2):
+        text, _, end = collect(pool.run(code))
+        assert list(end.errors) == [2 * per_host - 2]
+        assert end.errors[2 * per_host - 2].message == f"rank {2 * per_host - 2} is unhappy"
+        for rank in range(2 * per_host):
+            assert text[rank, "stdout"] == "".join(f"{rank} {i} {'.' * 72}\n" for i in range(8000))
+            assert text[rank, "stderr"] == f"err {rank}\n"
+
+
+@pytest.mark.parametrize("per_host", [2, 3, 4, 8])
+def test_a_relay_that_dies_mid_cell_ends_the_cell_with_its_hosts_ranks(hosts, per_host):
+    pool = hosts(per_host)
+    victim = next(r for r in pool._relays if r.host and min(r.ranks) == per_host)
+    events = pool.run("import time\ntime.sleep(1.0 if rank < world_size // 2 else 3.0)")
+    threading.Timer(0.3, os.kill, (victim.pid, signal.SIGKILL)).start()
+    _, _, end = collect(events)
+    died = sorted(r for r, x in end.exits.items() if not x.stopped_by_pool)
+    assert died == list(range(per_host, 2 * per_host))  # that host's ranks, the others stopped
+    assert not end.errors
+    with pytest.raises(PoolClosedError, match="lost a rank"):
+        pool.run("x = 1")
+    folder = os.path.dirname(
+        relay.socket_path(pool.listen(), pool._token, {"GROUP_RANK": "1", "MASTER_PORT": "sim"})
+    )
+    subprocess.run(["rm", "-rf", folder], check=True)  # SIGKILL left it; the next run reuses it
+
+
+@pytest.mark.parametrize("per_host", [2, 3, 4, 8])
+def test_a_rank_that_dies_behind_a_relay_ends_the_cell_and_the_others_are_stopped(hosts, per_host):
+    pool = hosts(per_host)
+    gone = per_host + 1  # on the second host, beside ranks that stay
+    _, _, end = collect(pool.run(f"if rank == {gone}:\n    leave()"))
+    assert {r: x.stopped_by_pool for r, x in end.exits.items()}[gone] is False
+    died = [r for r, x in end.exits.items() if not x.stopped_by_pool]
+    assert died == [gone]
+    with pytest.raises(PoolClosedError, match="lost a rank"):
+        pool.run("x = 1")
+
+
+# ---------------------------------------------------------------- torchrun through relays
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4, 8])
+def node(request, tmp_path_factory):
+    """One torchrun node of N ranks attached to a pool: its ranks share one relay."""
+    n = request.param
+    tmp = tmp_path_factory.mktemp(f"node{n}")
+    token_file = tmp / "token"
+    launch.read_or_create_token(str(token_file))
+    token = token_file.read_bytes().strip()
+    pool = Pool(n, listen=("127.0.0.1", 0), token=token, start_timeout=180, abort_after=0.5)
+    address = pool.listen()
+    log = open(tmp / "node.log", "wb")  # noqa: SIM115
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n)]
+    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    cmd += ["-m", "nbddp.worker", "--connect", address, "--token-file", str(token_file)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+    )
+    try:
+        pool.start()
+        yield pool, proc
+    finally:
+        relays = [r.pid for r in pool._relays]
+        pool.stop()
+        try:
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+        assert wait_gone(relays) == []
+
+
+def test_torchrun_ranks_go_through_one_relay_and_reduce(node):
+    pool, _ = node
+    n = pool.world_size
+    assert len(pool._relays) == 1
+    assert sorted(pool._relays[0].ranks) == list(range(n))
+    code = (
+        "import os, torch.distributed as dist\n"
+        "t = torch.ones(1) * rank\ndist.all_reduce(t)\n"
+        "os.write(1, f'C-level {rank}\\n'.encode())\nprint('python', rank)\n"
+        "(t.item(), blob == bytes(range(256)) * 4096)"
+    )
+    blob = bytes(range(256)) * 4096  # 1 MB: a Run bigger than a frame follows its frame
+    text, _, end = collect(pool.run(code, needs={"blob": blob}, want_values=True))
+    raise_for_end(end)
+    assert end.values == {r: (float(sum(range(n))), True) for r in range(n)}
+    for rank in range(n):
+        assert text[rank, "stdout"] == f"C-level {rank}\npython {rank}\n"
+
+
+def test_a_rank_failing_mid_collective_frees_the_others_through_the_relay(node):
+    pool, _ = node
+    n = pool.world_size
+    code = (
+        "import torch.distributed as dist\n"
+        f"if rank == {n - 1}:\n    raise ValueError('the last rank is unhappy')\n"
+        "t = torch.ones(1)\ndist.all_reduce(t)"
+    )
+    _, _, end = collect(pool.run(code))
+    assert next(iter(end.errors)) == n - 1
+    assert end.errors[n - 1].message == "the last rank is unhappy"
+    assert any("re-formed" in note for note in end.notes)
+    assert pool.execute("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == [float(n)] * n
+
+
+def test_an_interrupt_reaches_every_rank_through_the_relay(node):
+    pool, _ = node
+    events = pool.run("import time\nfor _ in range(600):\n    time.sleep(0.1)")
+    threading.Timer(0.5, pool.interrupt).start()
+    _, _, end = collect(events)
+    assert end.interrupted == "interrupt"
+    assert pool.execute("rank") == list(range(pool.world_size))  # state kept, no restart
+
+
+def test_a_rank_that_dies_behind_the_relay_is_reported_and_nothing_hangs(node):
+    pool, proc = node
+    pids = pool.pids
+    code = (
+        "import os, time, torch.distributed as dist\n"
+        "if rank == 1:\n    time.sleep(0.2)\n    os._exit(7)\n"
+        "t = torch.ones(1)\ndist.all_reduce(t)"
+    )
+    _, _, end = collect(pool.run(code))
+    assert 1 in end.exits
+    assert not end.exits[1].stopped_by_pool
+    with pytest.raises(PoolClosedError):
+        pool.run("x = 1")
+    assert proc.wait(60) != 0  # torchrun saw its worker die and ended the rest
+    assert wait_gone(pids) == []
