@@ -25,6 +25,7 @@ _._interrupt
 _._push
 _._pull
 _._export
+_._debug
 # matplotlib's backend protocol (MPLBACKEND=module://nbddp.mpl_backend)
 FigureCanvas
 FigureManager
@@ -35,3 +36,5 @@ _.pids
 _.execute
 # file objects have a mode; loggers and libraries read it from sys.stdout
 _.mode
+# pdb reads its commands with stdin.readline() (nbddp.debugger.Remote is its stdin)
+_.readline

@@ -250,3 +250,40 @@ def test_sixteen_ranks_fold_their_lines_and_the_failed_rank_stands_out(lab, page
         expect(everyone).to_contain_text("all ranks log (3 lines)")
     finally:
         page.screenshot(path=str(ARTIFACTS / "dashboard-16.png"), full_page=True)
+
+
+CELLS_PDB = [
+    "%load_ext nbddp",
+    "%%ddp -n 3\nx = rank * 10\nif rank == 1:\n    breakpoint()\n    y = x + 1\n"
+    "print('after', rank)",
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lab", [CELLS_PDB], indirect=True)
+def test_a_breakpoint_in_a_rank_asks_in_the_cells_input_box(lab, page):
+    expect = playwright.expect
+    url, _ = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    try:
+        cell = run_all(page, url)
+        box = cell.locator(".jp-Stdin-input")
+        expect(box).to_be_visible(timeout=120_000)
+        expect(cell.locator(".jp-Stdin-prompt")).to_contain_text("(Pdb rank 1)")
+        expect(cell.locator(".nbddp-row.nbddp-debugging")).to_have_count(1)  # the dashboard
+        expect(cell.locator(".jp-Cell-outputArea")).to_contain_text("-> y = x + 1")
+        box.fill("p x")
+        box.press("Enter")
+        outputs = cell.locator(".jp-Cell-outputArea")
+        expect(outputs).to_contain_text("10")
+        page.screenshot(path=str(ARTIFACTS / "debugger.png"), full_page=True)
+        expect(cell.locator(".jp-Stdin-input")).to_have_count(2)  # the next line's box
+        box = cell.locator(".jp-Stdin-input").last
+        expect(box).to_be_visible()
+        box.fill("c")
+        box.press("Enter")
+        expect(cell.locator(".jp-InputArea-prompt")).not_to_contain_text("[*]", timeout=60_000)
+        expect(cell.locator(".nbddp-row.nbddp-done")).to_have_count(3)
+        expect(cell.locator(".jp-Stdin-input")).to_have_count(2)  # two lines, no third box
+    finally:
+        page.screenshot(path=str(ARTIFACTS / "debugger-end.png"), full_page=True)

@@ -39,6 +39,7 @@ STATE_COLOURS = {
     "freed": "#d9822b",
     "dead": "#7f0000",
     "waiting": "#b8860b",
+    "debugging": "#6a1b9a",
 }
 FAILED_STATES = ("failed", "dead")
 FOLD_WINDOW = 0.25  # seconds a line waits for the same line from the other ranks
@@ -195,6 +196,10 @@ class TextSink:
             self._take(self._fold.flush())  # the lines printed before it come first
             self._stream("stdout").flush()
             show_rich(event)
+        elif isinstance(event, P.RankDebug):  # pdb's session follows: what came before first
+            self._take(self._fold.flush())
+            self._stream("stdout").flush()
+            self._stream("stderr").flush()
         else:
             self._take(self._fold.due())
 
@@ -426,6 +431,10 @@ class Dashboard:
             show_rich(event)
         elif isinstance(event, P.RankWhere) and view is not None:
             view.waiting = (event.waiting, event.since) if event.waiting else None
+        elif isinstance(event, P.RankDebug) and view is not None:
+            view.state = "debugging"  # until its next state: shown now, pdb waits for a line
+            self._render(force=True)
+            return
         self._render()
 
     def _state(self, rank: int, view: _RankView, event: P.RankState) -> None:

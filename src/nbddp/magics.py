@@ -7,18 +7,21 @@ IPython) before the pool is touched, so it leaves the pool as it was.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
+import signal
 import socket
 import sys
+import threading
 import time
 
 import torch
-from IPython.core.error import UsageError
+from IPython.core.error import StdinNotImplementedError, UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from . import capture, export, launch, stacks
+from . import capture, export, launch, profiling, stacks
 from . import protocol as P
 from .dashboard import Dashboard, TextSink
 from .errors import (
@@ -27,6 +30,7 @@ from .errors import (
     CellInterrupted,
     PoolClosedError,
     PoolStartError,
+    RankFailed,
 )
 from .launch import START_METHODS
 from .pool import Pool, default_pool, raise_for_end, set_default_pool
@@ -46,6 +50,7 @@ SUBCOMMANDS = (
     "pull",
     "run",
     "export",
+    "debug",
 )
 
 
@@ -134,6 +139,14 @@ def default_world_size() -> int:
 @argument("--text", action="store_true", help="print lines as '[rank N] line', no widgets")
 @argument("--quiet", action="store_true", help="show nothing unless a rank fails")
 @argument(
+    "--profile",
+    nargs="?",
+    const="torch",
+    choices=("torch", "python"),
+    help="profile every rank (torch's profiler, or cProfile with 'python'): time in "
+    "collectives, top operations, the slowest rank",
+)
+@argument(
     "--no-fold",
     action="store_true",
     help="every rank's lines apart (by default a line several ranks print shows once)",
@@ -213,6 +226,12 @@ def ddp_pull(line):
     """Return a rank's value (``x = %ddp pull NAME``)."""
 
 
+@magic_arguments()
+@argument("--rank", type=int, help="which rank (default: the first that failed)")
+def ddp_debug(line):
+    """pdb where a rank's last failed cell raised, in its live namespace (post-mortem)."""
+
+
 # ---------------------------------------------------------------- the magics
 
 
@@ -229,6 +248,7 @@ class DDPMagics(Magics):
         self.import_log: list[str] = []  # the notebook's import statements, in order
         self._replayed = (-1, 0)  # (pool generation, imports replayed to all its ranks)
         self._shipped = capture.Shipped()
+        self._failed_ranks: list[int] = []  # the last failed cell's, the root cause first
         shell.events.register("post_run_cell", self._record_imports)
 
     @property
@@ -508,6 +528,7 @@ class DDPMagics(Magics):
                 timeout=args.timeout,
                 display_ranks=display_ranks,
                 tick=TICK,
+                profile=args.profile,
             )
         except PoolClosedError as exc:  # an attached pool that lost a rank
             raise UsageError(str(exc)) from None
@@ -573,9 +594,10 @@ class DDPMagics(Magics):
             fold=fold,
         ).show()
 
-    def _finish(self, events, sink, out: str | None = None) -> P.CellEnd:
+    def _finish(self, events, sink, out: str | None = None, cell: bool = True) -> P.CellEnd:
         """Drive events into the sink (passing Ctrl-C on to the ranks); raise on failure."""
         end = None
+        closed: set[int] = set()  # ranks whose pdb session was closed here
         while True:
             try:
                 for event in events:
@@ -583,6 +605,8 @@ class DDPMagics(Magics):
                         end = event
                     if self._teed(event):
                         sink.handle(event)
+                    if isinstance(event, P.RankDebug):
+                        self._debug_prompt(event, closed)
                 break
             except KeyboardInterrupt:
                 if self.pool is not None:
@@ -590,17 +614,78 @@ class DDPMagics(Magics):
         sink.close(end)
         if end is None:
             raise CellInterrupted("interrupt", notes=["the pool was stopped"])
+        if end.profiles:
+            print(profiling.report(end.profiles))
         if out is not None:
             self.shell.user_ns[out] = [end.values.get(r) for r in range(self.pool.world_size)]
         try:
             raise_for_end(end, self.pool.hosts if self.pool is not None else None)
-        except CellFailed:  # the error carries the notes: say only the hints beside it
+        except CellFailed as exc:  # the error carries the notes: say only the hints beside it
             for hint in launcher_hints(end):
                 self._say(hint)
+            failed = [f.rank for f in exc.failures if isinstance(f, RankFailed)]
+            if cell:  # (not a post-mortem session's own failure)
+                self._failed_ranks = failed
+            if cell and failed and self.pool is not None and not self.pool.needs_restart:
+                self._say(
+                    f"%ddp debug opens pdb where rank {self._failed_ranks[0]} failed "
+                    "(--rank R for another)"
+                )
             raise
         for note in end.notes:
             self._say(note)
         return end
+
+    def _debug_prompt(self, event: P.RankDebug, closed: set[int]) -> None:
+        """A rank's pdb wants a line: show what it said, ask in the input box, answer.
+
+        No input box (nbclient, papermill), a closed input or the stop button end that
+        rank's session (pdb quits) for the rest of the cell; nothing waits for a line
+        that cannot come.
+        """
+        if event.rank in closed:
+            self.pool.debug_reply(event, None)
+            return
+        if event.output:
+            sys.stdout.write(event.output if event.output.endswith("\n") else event.output + "\n")
+            sys.stdout.flush()
+        try:
+            with _ctrl_c_raises():  # (during a cell the pool turns Ctrl-C into a request)
+                line = input(event.prompt)
+        except StdinNotImplementedError:
+            line = None
+            self._say(
+                f"rank {event.rank} stopped in pdb, but this front end has no input box "
+                "(stdin): its debugger was closed"
+            )
+        except EOFError:
+            line = None
+        except KeyboardInterrupt:
+            closed.add(event.rank)
+            self.pool.debug_reply(event, None)
+            raise
+        if line is None:
+            closed.add(event.rank)
+        self.pool.debug_reply(event, line)
+
+    def _debug(self, rest: str) -> None:
+        """pdb where a rank's last failed cell raised, in its live namespace."""
+        args = parse_argstring(ddp_debug, rest)
+        if self.pool is None or not self.pool.started:
+            raise UsageError("no pool is running: nothing to debug")
+        rank = args.rank if args.rank is not None else next(iter(self._failed_ranks), None)
+        if rank is None:
+            raise UsageError("no cell has failed on a rank: %ddp debug --rank R names one")
+        if not 0 <= rank < self.pool.world_size:
+            raise UsageError(f"--rank: no rank {rank} in a pool of {self.pool.world_size}")
+        events = self.pool.run("", ranks=[rank], post_mortem=True, tick=TICK)
+        try:
+            self._finish(events, TextSink(hosts=self.pool.hosts), cell=False)
+        except CellFailed as exc:  # nothing to debug there: one line
+            failure = exc.failures[0]
+            if isinstance(failure, RankFailed) and failure.exc_type == "LookupError":
+                raise UsageError(f"%ddp debug: {failure.message}") from None
+            raise
 
     def _teed(self, event: object) -> bool:
         """With ``--tee``, output of the other ranks goes only to the log directory."""
@@ -613,6 +698,21 @@ class DDPMagics(Magics):
             self.pool = None
 
 
+@contextlib.contextmanager
+def _ctrl_c_raises():
+    """Ctrl-C (the stop button) raises KeyboardInterrupt inside: what ends an input() that
+    waits for a line (the pool's own handler only asks the ranks to stop)."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main else None
+    if previous is not None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
 # ---------------------------------------------------------------- help, from the parsers
 
 PARSERS = {
@@ -623,6 +723,7 @@ PARSERS = {
     "%ddp pull": ddp_pull,
     "%ddp run": ddp_run,
     "%ddp export": ddp_export,
+    "%ddp debug": ddp_debug,
 }
 for _prog, _magic in PARSERS.items():
     # usage lines and errors say "%ddp start", not "%ddp_start" (IPython adds one "%")

@@ -919,6 +919,8 @@ class Pool:
         display_ranks: list[int] | None = None,
         tick: float | None = None,
         script: P.Script | None = None,
+        post_mortem: bool = False,
+        profile: str | None = None,
     ) -> Iterator[object]:
         """Run ``code`` on ``ranks`` (all by default); yield events, ending with ``CellEnd``.
 
@@ -929,7 +931,13 @@ class Pool:
         Rich output (``display``, figures) comes from ``display_ranks`` (rank 0
         by default). With ``tick``, a ``Tick`` is yielded after that many
         seconds without any other event. With ``script``, that file runs as
-        ``__main__`` instead of ``code`` (see :meth:`run_script`).
+        ``__main__`` instead of ``code`` (see :meth:`run_script`). With
+        ``post_mortem``, pdb opens where each rank's last failed cell raised. With
+        ``profile`` ("torch" or "python"), the cell runs under that profiler and
+        ``CellEnd.profiles`` holds each rank's (see :mod:`nbddp.profiling`).
+
+        A rank in pdb (``breakpoint()``) yields ``RankDebug`` each time it wants a
+        line; answer with :meth:`debug_reply`.
         """
         self._ensure_running()
         targets = sorted(set(range(self.world_size) if ranks is None else ranks))
@@ -951,6 +959,8 @@ class Pool:
                 display,
                 shm=not self.attached,
                 script=script,
+                post_mortem=post_mortem,
+                profile=profile,
             )
             for display in (False, True)
         }
@@ -1104,6 +1114,8 @@ class Pool:
             yield P.RankDisplay(rank, msg.data, msg.metadata)
         elif isinstance(msg, P.Progress):
             yield P.RankProgress(rank, msg.done, msg.total, msg.desc)
+        elif isinstance(msg, P.DebugPrompt):
+            yield P.RankDebug(rank, msg.output, msg.prompt, msg.seq)
         elif kind == "gone" and r.state != "dead":
             yield from self._rank_died(sup, out, r)
 
@@ -1259,6 +1271,10 @@ class Pool:
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"!")
 
+    def debug_reply(self, prompt: P.RankDebug, line: str | None) -> None:
+        """Answer a rank's pdb (a ``RankDebug`` event) with ``line``; None ends its session."""
+        self._ranks[prompt.rank].send(P.DebugInput(line, prompt.seq))
+
     def _catch_sigint(self, cell: int):
         """While ``cell`` runs, Ctrl-C and the stop button interrupt it instead of raising
         KeyboardInterrupt wherever the notebook happens to be (a half-handled message,
@@ -1394,6 +1410,7 @@ class _Outcome:
             tuple(notes),
             dict(sup.stacks_at_interrupt),
             tuple(sorted(r for r, d in self.done.items() if d.freed)),
+            {r: d.profile for r, d in self.done.items() if d.profile is not None},
         )
 
 

@@ -38,6 +38,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "AbortGroup",
     "CellEnd",
+    "DebugInput",
+    "DebugPrompt",
     "Display",
     "Done",
     "ErrorInfo",
@@ -46,8 +48,10 @@ __all__ = [
     "Interrupt",
     "JoinGroup",
     "Output",
+    "Profile",
     "Progress",
     "Query",
+    "RankDebug",
     "RankDisplay",
     "RankExit",
     "RankProgress",
@@ -88,6 +92,16 @@ class ErrorInfo:
     traceback: str  # formatted, cell frames only, ends with "Type: message"
     when: float = 0.0  # time.time() in the rank when it was raised: the root cause is first
     collective: str = ""  # the torch.distributed call it came out of ("all_reduce"), if any
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A rank's profile of one cell (``%%ddp --profile``, nbddp.profiling)."""
+
+    kind: str  # "torch" | "python"
+    wall: float  # seconds the cell took on the rank
+    collectives: float  # seconds inside torch.distributed collectives, waiting included
+    top: tuple[tuple[str, int, float], ...]  # (operation, calls, seconds), most first
 
 
 # ---------------------------------------------------------------- worker -> notebook
@@ -151,6 +165,7 @@ class Done:
     names: tuple[str, ...] | None = None  # the rank's global names, when they changed
     freed: bool = False  # the group was aborted under this rank during the cell
     needs_group: bool = False  # the cell destroyed the default group: re-form it
+    profile: Profile | None = None  # with Run.profile
 
 
 @dataclass(frozen=True)
@@ -168,6 +183,15 @@ class Progress:
     done: int
     total: int | None
     desc: str = ""
+
+
+@dataclass(frozen=True)
+class DebugPrompt:
+    """pdb on this rank wants a line: ``output`` is what it wrote since the last one."""
+
+    output: str
+    prompt: str  # "(Pdb rank 1) "
+    seq: int = 0  # counts the rank's prompts: an answer names the one it answers
 
 
 @dataclass(frozen=True)
@@ -213,6 +237,16 @@ class Run:
     display: bool = False  # send rich output (display(), figures) from this rank
     shm: bool = True  # the notebook shares this rank's /dev/shm: big values come back there
     script: Script | None = None  # run this file as __main__ instead of ``code``
+    post_mortem: bool = False  # instead of ``code``: pdb where this rank's last cell failed
+    profile: str | None = None  # "torch" | "python": run the cell under that profiler
+
+
+@dataclass(frozen=True)
+class DebugInput:
+    """The line typed for a rank's pdb; None: no line will come (pdb reads end of input)."""
+
+    line: str | None
+    seq: int = 0  # the DebugPrompt it answers (an answer to an older one is dropped)
 
 
 @dataclass(frozen=True)
@@ -314,6 +348,17 @@ class RankDisplay:
 
 
 @dataclass(frozen=True)
+class RankDebug:
+    """A rank's pdb wants a line: show ``output``, ask with ``prompt``, answer with
+    :meth:`nbddp.Pool.debug_reply`."""
+
+    rank: int
+    output: str
+    prompt: str
+    seq: int = 0
+
+
+@dataclass(frozen=True)
 class RankProgress:
     rank: int
     done: int
@@ -349,6 +394,7 @@ class CellEnd:
     notes: tuple[str, ...] = ()
     stacks: dict[int, tuple] = field(default_factory=dict)  # where ranks were when interrupted
     freed: tuple[int, ...] = ()  # ranks whose group was aborted under them (consequences)
+    profiles: dict[int, Profile] = field(default_factory=dict)  # with Run.profile
 
 
 # ---------------------------------------------------------------- encoding
@@ -363,10 +409,12 @@ _MESSAGES = (
     Done,
     Display,
     Progress,
+    DebugPrompt,
     StatusReply,
     Stacks,
     JoinGroup,
     Run,
+    DebugInput,
     Interrupt,
     AbortGroup,
     Reform,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import bdb
 import builtins
 import contextlib
 import ctypes
@@ -26,6 +27,7 @@ import faulthandler
 import io
 import linecache
 import os
+import pdb
 import queue
 import shutil
 import signal
@@ -43,7 +45,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from . import payload, relay, rich
+from . import debugger, payload, profiling, relay, rich
 from . import protocol as P
 from . import stacks as S
 from .ddp import DDPContext, default_backend, differences, threads_for
@@ -61,13 +63,16 @@ def run_code(code: str, filename: str, namespace: dict) -> object:
     """Run ``code`` in ``namespace``; return the value of a final expression, else None."""
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     tree = ast.parse(code, filename)
-    last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+    last = tree.body[-1] if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    if last is not None:  # kept in the same code object, so pdb's `n` steps onto it
+        store = ast.Assign([ast.Name(_LAST_VALUE, ast.Store())], last.value)
+        tree.body[-1] = ast.fix_missing_locations(ast.copy_location(store, last))
+    namespace.pop(_LAST_VALUE, None)
     exec(compile(tree, filename, "exec"), namespace)
-    if last is None:
-        return None
-    return eval(compile(last, filename, "eval"), namespace)
+    return namespace.pop(_LAST_VALUE, None)
+
+
+_LAST_VALUE = "__nbddp_last_value__"
 
 
 def error_info(exc: BaseException, entry: str | None = None) -> P.ErrorInfo:
@@ -86,6 +91,8 @@ def error_info(exc: BaseException, entry: str | None = None) -> P.ErrorInfo:
         message = str(exc)
     except Exception as err:  # an exception whose __str__ fails still gets reported
         message = f"<str() of the exception failed: {type(err).__name__}: {err}>"
+    if isinstance(exc, bdb.BdbQuit) and not message:
+        message = "quit from the debugger"
     try:
         text = "".join(traceback.format_exception(type(exc), exc, tb))
     except Exception:
@@ -327,6 +334,8 @@ class Worker:
         self.ship_dir: str | None = None  # where big values go back to the notebook
         self._reported_names: frozenset[str] = frozenset()
         self.shipped: dict[str, object] = {}  # name -> the object the notebook sent
+        self.failed: types.TracebackType | None = None  # where the last failed cell raised
+        self.debug: debugger.Remote | None = None
         self.backend = ""
         self.device = "cpu"
         self.namespace: dict = {}
@@ -354,6 +363,8 @@ class Worker:
             if isinstance(msg, P.Interrupt):
                 if self.interrupts.request(msg.cell):
                     os.kill(os.getpid(), signal.SIGINT)
+            elif isinstance(msg, P.DebugInput):
+                self.debug.answer(msg)
             elif isinstance(msg, P.Query):
                 self.send(P.StatusReply(psutil.Process().memory_info().rss, self.device))
             elif isinstance(msg, P.StackQuery):
@@ -629,7 +640,7 @@ class Worker:
 
     def _run(self, msg: P.Run) -> None:
         filename = f"{CELL_PREFIX}cell-{msg.cell}>"
-        status, value, error = "ok", None, None
+        status, value, error, profile = "ok", None, None, None
         rich.set_displaying(msg.display)
         self.cell, self.running = msg.cell, True
         try:
@@ -641,8 +652,14 @@ class Worker:
                 self._bind(payload.loads(msg.needs), overwrite=True)
             if msg.auto:
                 self._bind(payload.loads(msg.auto), overwrite=False)
-            if msg.script is not None:
+            if msg.post_mortem:
+                self._post_mortem()
+            elif msg.script is not None:
                 run_script(msg.script, self.namespace)
+            elif msg.profile:
+                value, profile = profiling.profiled(
+                    msg.profile, lambda: run_code(msg.code, filename, self.namespace)
+                )
             else:
                 value = run_code(msg.code, filename, self.namespace)
         except KeyboardInterrupt:
@@ -652,6 +669,8 @@ class Worker:
                 "error",
                 error_info(exc, msg.script and os.path.abspath(msg.script.path)),
             )
+            if not msg.post_mortem:
+                self.failed = exc.__traceback__
         finally:
             self.running = False
             self.interrupts.end(msg.cell)
@@ -662,8 +681,17 @@ class Worker:
         done = self._done(msg, status, value, error)
         freed = self.abort_cell == msg.cell
         lost = not dist.is_initialized()  # the cell destroyed it: the pool forms a new one
-        done = dataclasses.replace(done, freed=freed, needs_group=lost)
+        done = dataclasses.replace(done, freed=freed, needs_group=lost, profile=profile)
         self.send(dataclasses.replace(done, names=self._changed_names()))
+
+    def _post_mortem(self) -> None:
+        """pdb in the frame where this rank's last failed cell raised (``%ddp debug``)."""
+        tb = self.failed
+        while tb is not None and not tb.tb_frame.f_code.co_filename.startswith(CELL_PREFIX):
+            tb = tb.tb_next  # from the cell's own frame, as its traceback shows it
+        if tb is None:
+            raise LookupError(f"rank {self.rank} has no failed cell to debug")
+        pdb.post_mortem(tb)
 
     def _changed_names(self) -> tuple[str, ...] | None:
         """The rank's own names (not those still bound to notebook objects), if changed."""
@@ -764,6 +792,7 @@ class Worker:
         self._install_shims()
         signal.signal(signal.SIGINT, self._on_sigint)
         rich.attach(self.send)
+        self.debug = debugger.install(self.send, self.rank)
         self._hello()
         threading.Thread(target=self._receive_loop, name="nbddp-receiver", daemon=True).start()
         self._connect_streams()
