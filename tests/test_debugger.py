@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import queue
+import subprocess
+import sys
 import time
 
 import nbformat
@@ -211,11 +213,19 @@ def test_torch_distributed_breakpoint_stops_one_rank_and_the_others_wait(sized_p
     assert end.values == {r: "went on" for r in range(n)}
 
 
+def ipython(typed: str) -> subprocess.CompletedProcess:
+    """Terminal IPython reading ``typed`` from its stdin."""
+    return subprocess.run(
+        [sys.executable, "-m", "IPython", "--simple-prompt", "--no-banner", "--colors=NoColor"],
+        input=typed,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_terminal_ipython_asks_on_its_stdin():
     """Terminal IPython, lines piped in as a user would type them."""
-    import subprocess
-    import sys
-
     typed = (
         "%load_ext nbddp\n"
         "%%ddp -n 3 --text\nx = rank\nif rank == 2:\n    breakpoint()\nprint('after', rank)\n\n\n"
@@ -224,13 +234,7 @@ def test_terminal_ipython_asks_on_its_stdin():
         "%ddp stop\n"
         "exit\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-m", "IPython", "--simple-prompt", "--no-banner", "--colors=NoColor"],
-        input=typed,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout
+    out = ipython(typed).stdout
     assert "-> print('after', rank)" in out  # the cell's own next line
     assert "(Pdb rank 2) 42" in out  # the prompt, then the answer to "p x + 40"
     assert "[rank 2] after 2" in out
@@ -239,21 +243,12 @@ def test_terminal_ipython_asks_on_its_stdin():
 
 def test_a_closed_input_in_the_terminal_quits_that_ranks_pdb_and_nothing_hangs():
     """The typed lines end while rank 1 waits in pdb (Ctrl-D): pdb reads end of input."""
-    import subprocess
-    import sys
-
     typed = (
         "%load_ext nbddp\n"
         "%%ddp -n 3 --text\nimport torch.distributed as dist\n"
         "if rank == 1:\n    breakpoint()\ndist.barrier()\nprint('went on', rank)\n\n\n"
     )
-    run = subprocess.run(
-        [sys.executable, "-m", "IPython", "--simple-prompt", "--no-banner", "--colors=NoColor"],
-        input=typed,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = ipython(typed)
     out = run.stdout + run.stderr
     assert "(Pdb rank 1)" in out
     assert "rank 1: BdbQuit: quit from the debugger" in out

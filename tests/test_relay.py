@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Client, Connection
 
 import pytest
@@ -184,6 +185,25 @@ def test_a_rank_that_dies_behind_a_relay_ends_the_cell_and_the_others_are_stoppe
     assert died == [gone]
     with pytest.raises(PoolClosedError, match="lost a rank"):
         pool.run("x = 1")
+
+
+def test_hosts_that_start_before_the_notebook_listens_wait_for_it():
+    token = secrets.token_bytes(16)
+    port = free_port()
+    sims = simranks.start(f"127.0.0.1:{port}", token, 8, 2, per_host=4, relay=True)
+    time.sleep(1.0)  # the relays and their ranks are up, the notebook not yet
+    pool = Pool(8, listen=("127.0.0.1", port), token=token, start_timeout=60)
+    try:
+        pool.start()
+        assert len(pool._relays) == 2
+        _, _, end = collect(pool.run("rank * 2", want_values=True))
+        assert end.values == {}  # (simulated ranks send no values) but every rank ended:
+        assert sorted(end.ranks) == list(range(8))
+        assert not end.errors
+    finally:
+        pool.stop()
+        for sim in sims:
+            sim.wait(30)
 
 
 # ---------------------------------------------------------------- torchrun through relays

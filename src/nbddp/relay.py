@@ -153,7 +153,7 @@ def serve(
     """The relay's life: reach the notebook, then carry traffic until it ends."""
     try:
         try:
-            up = Client(*notebook, authkey=token)
+            up = _reach(notebook, token, timeout)
             if notebook[1] == "AF_INET":  # frames go one after another: no Nagle delays
                 _no_delay(up)
             up.send_bytes(P.dumps(P.RelayHello(socket.gethostname(), os.getpid())))
@@ -166,6 +166,18 @@ def serve(
     finally:
         listener.close()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _reach(notebook: tuple, token: bytes, timeout: float) -> Connection:
+    """Connect to the notebook, retrying until it listens (the nodes may start first)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return Client(*notebook, authkey=token)
+        except (ConnectionRefusedError, FileNotFoundError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _no_delay(conn: Connection) -> None:
