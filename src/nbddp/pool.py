@@ -102,8 +102,8 @@ class RankStatus:
 class _Stream:
     """One rank's stdout or stderr: raw bytes in, text pieces and end markers out.
 
-    ``conn`` is None for a rank behind a relay: the relay feeds its bytes, with the
-    end markers already taken out.
+    ``conn`` is None for a rank behind a relay: the relay feeds its bytes (such a
+    rank writes no end markers; its Done comes after all it wrote).
     """
 
     def __init__(self, conn: Connection | None, name: str) -> None:

@@ -10,7 +10,9 @@ A worker holds three connections to the notebook: ``control`` carries these
 messages; ``stdout`` and ``stderr`` carry the raw bytes of file descriptors 1
 and 2 (Python and C++ output alike). At the end of each cell the worker writes
 ``end_marker(cell)`` into both streams before it sends :class:`Done`, so the
-notebook knows it has every byte the cell printed, on any transport.
+notebook knows it has every byte the cell printed, on any transport. Ranks
+attached with several on a host talk through that host's relay instead
+(nbddp.relay: the same messages, framed per host; no end markers).
 
 Timeline of a pool::
 
