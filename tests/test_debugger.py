@@ -253,3 +253,32 @@ def test_a_closed_input_in_the_terminal_quits_that_ranks_pdb_and_nothing_hangs()
     assert "(Pdb rank 1)" in out
     assert "rank 1: BdbQuit: quit from the debugger" in out
     assert run.returncode == 0  # IPython went on to the end of its input and exited
+
+
+def test_execute_closes_a_breakpoint_instead_of_waiting(sized_pool):
+    from nbddp import CellFailed
+
+    n = sized_pool.world_size
+    with pytest.raises(CellFailed, match="rank 1: BdbQuit: quit from the debugger"):
+        sized_pool.execute("if rank == 1:\n    breakpoint()\nrank")
+    assert sized_pool.execute("rank") == list(range(n))
+
+
+def test_ranch_closes_a_breakpoint_instead_of_waiting():
+    from nbddp import CellFailed, ranch
+    from nbddp.pool import default_pool, set_default_pool
+
+    def stops():
+        import os
+
+        if os.environ["RANK"] == "0":
+            breakpoint()
+        return 1
+
+    try:
+        with pytest.raises(CellFailed, match="rank 0: BdbQuit"):
+            ranch(3, stops)
+        assert ranch(3, lambda: 2) == [2, 2, 2]
+    finally:
+        default_pool().stop()
+        set_default_pool(None)

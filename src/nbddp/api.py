@@ -77,6 +77,8 @@ def ranch(
     for event in pool.run(CALL, needs=needs, imports=imports, want_values=True):
         if isinstance(event, P.CellEnd):
             end = event
+        elif isinstance(event, P.RankDebug):  # no input box here: close, never wait
+            pool.debug_reply(event, None)
         elif not isinstance(event, P.RankResult):
             sink.handle(event)
     sink.close(end)

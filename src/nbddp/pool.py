@@ -1315,12 +1315,15 @@ class Pool:
     def execute(self, code: str, **kwargs) -> list[object]:
         """Run ``code`` and return the last expression's value by rank; raise on failure.
 
-        Output is discarded; use :meth:`run` to see it.
+        Output is discarded; use :meth:`run` to see it. A rank's pdb (``breakpoint()``)
+        gets no commands here: its session is closed at once, not waited for.
         """
         end = None
         for event in self.run(code, want_values=True, **kwargs):
             if isinstance(event, P.CellEnd):
                 end = event
+            elif isinstance(event, P.RankDebug):
+                self.debug_reply(event, None)
         raise_for_end(end, self.hosts)
         return [end.values.get(r) for r in range(self.world_size)]
 
