@@ -129,6 +129,13 @@ def test_post_mortem_reads_a_local_of_the_frame_that_raised(kernel):  # noqa: F8
     assert s.prompts == ["(Pdb rank 1) "] * 3
     assert "102\n1\n" in s.stdout
     assert "return 1 / (a - 1)" in s.stdout  # where it stopped, in the cell's own lines
+    # out of memory: the frames are let go at once (they hold what filled the memory)
+    r = execute(
+        kc, "%%ddp --text\nimport torch\nif rank == 0:\n    raise torch.OutOfMemoryError('x')"
+    )
+    assert r.error["ename"] == "CellFailed"
+    r = execute(kc, "%ddp debug --rank 0")
+    assert "rank 0's last failed cell ran out of memory: its frames were let go" in r.text
     s = run_with_input(kc, "%ddp debug --rank 2", lines("q"))
     assert s.prompts == []  # one line, no session (IPython prints a UsageError as text)
     assert s.stdout.strip() == "UsageError: %ddp debug: rank 2 has no failed cell to debug"

@@ -73,6 +73,7 @@ def run_code(code: str, filename: str, namespace: dict) -> object:
 
 
 _LAST_VALUE = "__nbddp_last_value__"
+_OUT_OF_MEMORY = (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))
 
 
 def error_info(exc: BaseException, entry: str | None = None) -> P.ErrorInfo:
@@ -335,6 +336,7 @@ class Worker:
         self._reported_names: frozenset[str] = frozenset()
         self.shipped: dict[str, object] = {}  # name -> the object the notebook sent
         self.failed: types.TracebackType | None = None  # where the last failed cell raised
+        self.failed_oom = False  # ... and it ran out of memory (its frames were let go)
         self.debug: debugger.Remote | None = None
         self.backend = ""
         self.device = "cpu"
@@ -669,8 +671,10 @@ class Worker:
                 "error",
                 error_info(exc, msg.script and os.path.abspath(msg.script.path)),
             )
-            if not msg.post_mortem:
-                self.failed = exc.__traceback__
+            if not msg.post_mortem:  # kept for %ddp debug, frames and all; not after running
+                # out of memory: those frames hold what filled it, and the next cell needs it
+                self.failed = None if isinstance(exc, _OUT_OF_MEMORY) else exc.__traceback__
+                self.failed_oom = self.failed is None
         finally:
             self.running = False
             self.interrupts.end(msg.cell)
@@ -689,6 +693,11 @@ class Worker:
         tb = self.failed
         while tb is not None and not tb.tb_frame.f_code.co_filename.startswith(CELL_PREFIX):
             tb = tb.tb_next  # from the cell's own frame, as its traceback shows it
+        if tb is None and self.failed_oom:
+            raise LookupError(
+                f"rank {self.rank}'s last failed cell ran out of memory: its frames were let "
+                "go to free it, so there is nothing to debug"
+            )
         if tb is None:
             raise LookupError(f"rank {self.rank} has no failed cell to debug")
         pdb.post_mortem(tb)
