@@ -609,12 +609,11 @@ class Pool:
             kind, who = item[0], item[1]
             if kind == "out":
                 r = self._ranks.get(who)
-                s = r.streams.get(item[2]) if r is not None and r.state != "dead" else None
+                s = r.streams.get(item[2]) if self._live(who) else None
                 if s is not None:
                     items += self._stream_items(r, s, s.feed(item[3]))
             elif kind == "done":  # equal for every one of the ranks: decoded once
-                ranks = self._ranks
-                live = tuple(r for r in who if r in ranks and ranks[r].state != "dead")
+                live = tuple(r for r in who if self._live(r))
                 items.append(("dones", live, P.loads(item[2])))
             elif kind == "msg":
                 if self._live(who):
