@@ -320,9 +320,9 @@ def test_stacks_between_cells_say_every_rank_is_idle(pool):
 
 def test_a_worker_whose_connection_drops_exits(pool):
     pool.execute("1")
-    victim = pool._ranks[1]
+    victim = pool.roster[1]
     pid = victim.pid
-    victim.conn.close()
+    victim.link.conn.close()
     assert wait_gone([pid], zombies=False) == []
     pool.restart()
 

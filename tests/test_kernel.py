@@ -82,7 +82,7 @@ def pool_pids(kc) -> list[int]:
         kc,
         "from nbddp.magics import _MAGICS\n"
         "_p = next(iter(_MAGICS.values())).pool\n"
-        "print(_p.pids + [_p._launcher._proc.pid])",
+        "print(_p.pids + [_p.procs.launcher._proc.pid])",
     )
     return ast.literal_eval(r.stdout.strip())
 

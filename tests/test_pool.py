@@ -203,9 +203,9 @@ def test_status_reports_every_rank(pool):
 def test_restart_gives_fresh_ranks_through_the_same_fork_server(pool):
     pool.execute("mine = 1")
     old = pool.pids
-    server = pool._launcher._proc.pid
+    server = pool.procs.launcher._proc.pid
     pool.restart()
-    assert pool._launcher._proc.pid == server
+    assert pool.procs.launcher._proc.pid == server
     assert set(pool.pids).isdisjoint(old)
     assert wait_gone(old) == []
     _, _, end = collect(pool.run("mine"))
@@ -216,7 +216,7 @@ def test_restart_gives_fresh_ranks_through_the_same_fork_server(pool):
 def test_every_start_method_runs_cells_and_stop_leaves_no_process(method):
     pool = Pool(2, start_method=method).start()
     pids = pool.pids
-    helper = getattr(getattr(pool._launcher, "_proc", None), "pid", None)
+    helper = getattr(getattr(pool.procs.launcher, "_proc", None), "pid", None)
     assert pool.execute("rank") == [0, 1]
     pool.stop()
     assert wait_gone(pids + ([helper] if helper else [])) == []
@@ -243,9 +243,9 @@ def test_bad_arguments_are_refused():
 
 
 def test_nothing_listens_beyond_loopback_and_the_listener_is_private(pool):
-    listener_dir = os.path.dirname(pool._address)
+    listener_dir = os.path.dirname(pool.address)
     assert stat.S_IMODE(os.stat(listener_dir).st_mode) == 0o700
-    assert pool._listener.family == socket.AF_UNIX
+    assert pool.listener.sock.family == socket.AF_UNIX
     pool.execute("import torch.distributed as dist\ndist.barrier()")
     for pid in [*pool.pids, os.getpid()]:
         for conn in psutil.Process(pid).net_connections(kind="inet"):

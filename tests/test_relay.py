@@ -130,7 +130,7 @@ def hosts():
     before = relay_folders()
     yield _hosts
     for pool, sims in started:
-        relays = [r.pid for r in pool._relays]
+        relays = [r.pid for r in pool.hub.relays]
         pool.stop()
         for sim in sims:
             sim.wait(30)
@@ -141,8 +141,8 @@ def hosts():
 @pytest.mark.parametrize("per_host", [2, 3, 4, 8])
 def test_every_line_of_every_rank_is_in_before_its_cell_ends(hosts, per_host):
     pool = hosts(per_host)
-    assert len(pool._relays) == 2  # one connection per host, not three per rank
-    assert all(r.relay is not None for r in pool._ranks.values())
+    assert len(pool.hub.relays) == 2  # one connection per host, not three per rank
+    assert all(r.link.relay is not None for r in pool.roster.ranks.values())
     code = (  # 640 kB a rank: more than a socket holds, and than the relay reads at once
         "for i in range(8000):\n    print(rank, i, '.' * 72)\n"
         "import sys\nprint('err', rank, file=sys.stderr)\n"
@@ -160,7 +160,7 @@ def test_every_line_of_every_rank_is_in_before_its_cell_ends(hosts, per_host):
 @pytest.mark.parametrize("per_host", [2, 3, 4, 8])
 def test_a_relay_that_dies_mid_cell_ends_the_cell_with_its_hosts_ranks(hosts, per_host):
     pool = hosts(per_host)
-    victim = next(r for r in pool._relays if r.host and min(r.ranks) == per_host)
+    victim = next(r for r in pool.hub.relays if r.host and min(r.ranks) == per_host)
     events = pool.run("import time\ntime.sleep(1.0 if rank < world_size // 2 else 3.0)")
     threading.Timer(0.3, os.kill, (victim.pid, signal.SIGKILL)).start()
     _, _, end = collect(events)
@@ -170,7 +170,7 @@ def test_a_relay_that_dies_mid_cell_ends_the_cell_with_its_hosts_ranks(hosts, pe
     with pytest.raises(PoolClosedError, match="lost a rank"):
         pool.run("x = 1")
     folder = os.path.dirname(
-        relay.socket_path(pool.listen(), pool._token, {"GROUP_RANK": "1", "MASTER_PORT": "sim"})
+        relay.socket_path(pool.listen(), pool.token, {"GROUP_RANK": "1", "MASTER_PORT": "sim"})
     )
     subprocess.run(["rm", "-rf", folder], check=True)  # SIGKILL left it; the next run reuses it
 
@@ -195,7 +195,7 @@ def test_hosts_that_start_before_the_notebook_listens_wait_for_it():
     pool = Pool(8, listen=("127.0.0.1", port), token=token, start_timeout=60)
     try:
         pool.start()
-        assert len(pool._relays) == 2
+        assert len(pool.hub.relays) == 2
         _, _, end = collect(pool.run("rank * 2", want_values=True))
         assert end.values == {}  # (simulated ranks send no values) but every rank ended:
         assert sorted(end.ranks) == list(range(8))
@@ -231,7 +231,7 @@ def node(request, tmp_path_factory):
         pool.start()
         yield pool, proc
     finally:
-        relays = [r.pid for r in pool._relays]
+        relays = [r.pid for r in pool.hub.relays]
         pool.stop()
         try:
             proc.wait(60)
@@ -246,8 +246,8 @@ def node(request, tmp_path_factory):
 def test_torchrun_ranks_go_through_one_relay_and_reduce(node):
     pool, _ = node
     n = pool.world_size
-    assert len(pool._relays) == 1
-    assert sorted(pool._relays[0].ranks) == list(range(n))
+    assert len(pool.hub.relays) == 1
+    assert sorted(pool.hub.relays[0].ranks) == list(range(n))
     code = (
         "import os, torch.distributed as dist\n"
         "t = torch.ones(1) * rank\ndist.all_reduce(t)\n"

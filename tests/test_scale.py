@@ -61,7 +61,7 @@ def test_256_ranks_attach_and_their_identical_lines_fold_into_one(attach):
         "[rank 100] only rank 100",
     ]
     # the pool waits on each connection once: 3 per rank and the wake pipe
-    assert len(pool._selector.get_map()) == 3 * 256 + 1
+    assert len(pool.hub._selector.get_map()) == 3 * 256 + 1
     board = Dashboard(list(range(256)), world_size=256)
     end = cell(pool, "print('step', rank % 2)", board)
     assert not end.errors

@@ -202,14 +202,14 @@ class CellSupervisor:
         """A stack sample arrived; returns the rank's place when it moved (for a sink)."""
         if self.phase.get(rank) != "running" or not frames:
             return None
+        if self.interrupt_at is not None and rank not in self.stacks_at_interrupt:
+            self.stacks_at_interrupt[rank] = frames  # where it was, moved or not
         old = self.where.get(rank)
         key = tuple(f[:3] for f in frames)
         if old is not None and tuple(f[:3] for f in old.frames) == key:
             old.taken = now
             return None
         self.where[rank] = _Where(frames, now, now)
-        if self.interrupt_at is not None and rank not in self.stacks_at_interrupt:
-            self.stacks_at_interrupt[rank] = frames
         return self.where[rank]
 
     def interrupt(self, reason: str, now: float) -> list[Action]:

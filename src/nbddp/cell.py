@@ -1,0 +1,303 @@
+"""One cell on the pool: send it, turn what comes back into events, act on failures.
+
+:meth:`nbddp.Pool.run` returns a :class:`Cell`, an iterator of events that
+ends with a :class:`~nbddp.protocol.CellEnd`. Each step waits on the hub for
+items (or the supervisor's next deadline), hands each item to its handler
+(a table keyed by the item's type, then by the message's type), and carries
+out what the :class:`~nbddp.supervisor.CellSupervisor` says is due: stack
+samples, interrupts, an abort of the group, the last resort of stopping the
+pool (:mod:`nbddp.recovery`).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+
+from . import protocol as P
+from . import recovery
+from . import stacks as S
+from .errors import root_causes
+from .hub import Closed, Dones, Gone, Mark, Msg, Text
+from .outcome import Outcome, failures_of
+from .sigint import interrupts_cell
+from .supervisor import CellSupervisor
+
+__all__ = ["Cell", "Requests"]
+
+
+@dataclass
+class Requests:
+    """Interrupt requests, from any thread: kept until the cell they are for acts."""
+
+    pending: int | None = None  # the cell run() made; it has not ended yet
+    active: int | None = None  # the cell running now
+    request: tuple[int, float] | None = None  # (cell, when) the stop button was pressed
+    reforming: bool = False  # a re-form waits for the ranks: an interrupt ends the wait
+    cancel_wait: bool = False
+
+    def ask(self, now: float) -> bool:
+        """An interrupt for the current cell (or the wait after it); False: nothing runs."""
+        if self.reforming:
+            self.cancel_wait = True
+            return True
+        cell = self.active if self.active is not None else self.pending
+        if cell is None:
+            return False
+        if self.request is None or self.request[0] != cell:
+            self.request = (cell, now)
+        return True
+
+    def for_cell(self, cell: int) -> tuple[int, float] | None:
+        return self.request if self.request is not None and self.request[0] == cell else None
+
+    def ended(self, cell: int) -> None:
+        self.active = None
+        if self.pending == cell:
+            self.pending = None
+        if self.for_cell(cell) is not None:
+            self.request = None  # the cell ended: it was answered
+
+
+class Cell:
+    """The events of one cell, as it runs (an iterator: iterate it once)."""
+
+    def __init__(self, pool, cell: int, runs: dict[int, P.Run], timeout, tick, shipments) -> None:
+        self.pool, self.cell, self.runs = pool, cell, runs
+        self.timeout, self.tick, self.shipments = timeout, tick, shipments
+        self.sup: CellSupervisor | None = None
+        self.out: Outcome | None = None
+        self._events = self._run()
+
+    def __iter__(self) -> Cell:
+        return self
+
+    def __next__(self) -> object:
+        return next(self._events)
+
+    def close(self) -> None:
+        self._events.close()
+
+    # ------------------------------------------------------------ the cell's life
+
+    def _run(self):
+        with interrupts_cell(self.pool):  # first: from here Ctrl-C is an interrupt request
+            yield from self._body()
+
+    def _body(self):
+        pool = self.pool
+        notes = pool.take_notes()
+        backlog, pool.roster.backlog = pool.roster.backlog, []
+        yield from backlog
+        targets = sorted(self.runs)
+        self.sup = CellSupervisor(
+            self.cell,
+            targets,
+            time.monotonic(),
+            abort_after=pool.abort_after,
+            grace=pool.grace,
+            timeout=self.timeout,
+        )
+        links = {r: pool.roster[r].link for r in targets}
+        # a relay forwards a rank's Done after all it printed: no end markers to wait for
+        marks = {r: set() if link.relay else link.open_streams() for r, link in links.items()}
+        self.out = Outcome(self.cell, targets, marks)
+        pool.requests.active = self.cell
+        yield from self._supervised(targets)
+        yield from self._after(notes)
+
+    def _supervised(self, targets: list[int]):
+        pool, sup = self.pool, self.sup
+        # while a cell runs, the notebook does little but read the ranks' output, and the
+        # collector's full passes over the kernel's heap (torch and all) cost more than the
+        # reading: 400,000 lines took 3.7 s of notebook CPU, 1.5 s with the heap frozen
+        froze = gc.get_freeze_count() == 0  # a freeze of the user's own is left alone
+        if froze:
+            gc.freeze()
+        try:
+            self._send_runs(targets)
+            yield P.RankStates(tuple(targets), "running")
+            while not sup.finished:
+                yield from self._step()
+        finally:
+            if froze:
+                gc.unfreeze()
+            pool.requests.ended(self.cell)
+            for shipment in self.shipments:  # every rank has loaded them by now
+                shipment.remove()
+            if not sup.finished:  # the consumer gave up on us: leave nothing running
+                pool.lose()
+
+    def _send_runs(self, targets: list[int]) -> None:
+        by_message: dict[int, list[int]] = {}  # one pickle per message, one write per relay
+        for rank in targets:
+            by_message.setdefault(id(self.runs[rank]), []).append(rank)
+        for some in by_message.values():
+            for rank in some:
+                self.pool.roster[rank].state = "running"
+            self.pool.hub.deliver(some, P.dumps(self.runs[some[0]]), self.cell)
+
+    def _after(self, notes: list[str]):
+        pool, sup, out = self.pool, self.sup, self.out
+        if not pool.lost and sup.aborted_at is not None:
+            yield from recovery.reform(pool, sup, out)
+        elif not pool.lost and any(d.needs_group for d in out.done.values()):
+            yield from recovery.reform(pool, sup, out, quiet=True)  # the cell destroyed it
+        if sup.stacks_at_interrupt:
+            pool.last_stacks = dict(sup.stacks_at_interrupt)
+        end = out.end(sup, notes + pool.take_notes())
+        if not end.interrupted:  # a rank a peer's failure broke shows as freed, not red
+            _, consequences = root_causes(failures_of(end))
+            for f in consequences:
+                if f.rank not in end.freed:
+                    yield P.RankState(f.rank, "freed")
+        yield end
+
+    # ------------------------------------------------------------ one step
+
+    def _step(self):
+        """Wait for what comes next (or the supervisor's next deadline) and handle it."""
+        sup = self.sup
+        yield from self._act()
+        if sup.finished:
+            return
+        now = time.monotonic()
+        tick_at = None if self.tick is None else now + self.tick
+        limits = [t for t in (sup.deadline, tick_at) if t is not None]
+        try:
+            items = self.pool.hub.pump(max(0.0, min(limits) - now) if limits else None)
+        except KeyboardInterrupt:
+            self.pool.interrupt()
+            return
+        if not items and tick_at is not None and time.monotonic() >= tick_at:
+            yield P.Tick()
+        for item in items:
+            yield from self._ITEMS[type(item)](self, item)
+        yield from self._act()
+
+    def _act(self):
+        """Carry out what the supervisor says is due (and an interrupt asked for)."""
+        sup, pool = self.sup, self.pool
+        now = time.monotonic()
+        actions = []
+        if pool.requests.for_cell(sup.cell) is not None and sup.interrupted is None:
+            actions += sup.interrupt("interrupt", now)
+        for action in actions + sup.due(now):
+            if action.kind == "stacks":
+                pool.send(action.ranks, P.StackQuery())
+            elif action.kind == "interrupt":
+                pool.send(action.ranks, P.Interrupt(sup.cell))
+            elif action.kind == "abort":
+                live = [r.rank for r in pool.roster.live() if r.state != "starting"]
+                pool.send(live, P.AbortGroup(sup.cell))
+            elif action.kind == "stop":
+                yield from recovery.stop_pool(pool, sup, self.out, action)
+
+    # ------------------------------------------------------------ items
+
+    def _text(self, item: Text):
+        yield P.Output(item.rank, item.stream, item.text)
+
+    def _mark(self, item: Mark):
+        if item.cell == self.sup.cell:
+            yield from self._marked(item.rank, item.stream)
+
+    def _closed(self, item: Closed):
+        """A stream ended (the cell closed it: ``os.close(1)``, ``os.dup2(2, 1)``): no
+        end marker can come on it any more."""
+        yield from self._marked(item.rank, item.stream)
+
+    def _marked(self, rank: int, stream: str):
+        marks = self.out.marks.get(rank)
+        if marks and stream in marks:
+            marks.discard(stream)
+            yield from self._maybe_finish(rank)
+
+    def _gone(self, item: Gone):
+        r = self.pool.roster[item.rank]
+        if r.state != "dead":
+            yield from recovery.rank_died(self.pool, self.sup, self.out, r)
+
+    def _msg(self, item: Msg):
+        handler = self._MESSAGES.get(type(item.msg))
+        if handler is not None:
+            yield from handler(self, item.rank, item.msg)
+
+    def _dones_item(self, item: Dones):
+        yield from self._dones(item.ranks, item.msg)
+
+    _ITEMS = {Text: _text, Mark: _mark, Closed: _closed, Gone: _gone, Msg: _msg, Dones: _dones_item}
+
+    # ------------------------------------------------------------ messages
+
+    def _done(self, rank: int, msg: P.Done):
+        yield from self._dones((rank,), msg)
+
+    def _stacks(self, rank: int, msg: P.Stacks):
+        sup = self.sup
+        place = sup.stacks(rank, msg.frames, time.monotonic())
+        if place is not None:
+            yield P.RankWhere(rank, S.summary(place.frames), sup.waiting_in(rank), place.since)
+
+    def _store_port(self, _rank: int, msg: P.StorePort):
+        self.pool.roster.set_store_port(msg.port)  # a script formed the group again
+        return ()
+
+    def _display(self, rank: int, msg: P.Display):
+        yield P.RankDisplay(rank, msg.data, msg.metadata)
+
+    def _progress(self, rank: int, msg: P.Progress):
+        yield P.RankProgress(rank, msg.done, msg.total, msg.desc)
+
+    def _debug(self, rank: int, msg: P.DebugPrompt):
+        yield P.RankDebug(rank, msg.output, msg.prompt, msg.seq)
+
+    _MESSAGES = {
+        P.Done: _done,
+        P.Stacks: _stacks,
+        P.StorePort: _store_port,
+        P.Display: _display,
+        P.Progress: _progress,
+        P.DebugPrompt: _debug,
+    }
+
+    # ------------------------------------------------------------ ends
+
+    def _dones(self, ranks: tuple[int, ...], msg: P.Done) -> list:
+        """The same Done from each of ``ranks`` (one rank, or a relay's group of them); the
+        events it makes (a list: at scale, a thousand events a cell pass through here)."""
+        sup, out = self.sup, self.out
+        if msg.cell != sup.cell:
+            return []
+        names = None if msg.names is None else frozenset(msg.names)
+        for rank in ranks:
+            r = self.pool.roster[rank]
+            r.state = "idle"
+            if names is not None:
+                r.names = names
+        out.done.update(dict.fromkeys(ranks, msg))
+        now = time.monotonic()
+        if any(out.marks[rank] for rank in ranks):  # direct: finished by its end markers
+            events = []
+            for rank in ranks:
+                sup.done(rank, msg.status, now)
+                events += self._maybe_finish(rank)
+            return events
+        # the output is in (behind a relay, or no stream open): a group in one step
+        finished = sup.ended_together(ranks, msg.status, now)
+        if msg.status == "ok" and msg.value is None and msg.value_repr is None:
+            return [P.RankStates(tuple(finished), "done")] if finished else []  # as finish
+        return [event for rank in finished for event in self._finish(rank)]
+
+    def _maybe_finish(self, rank: int) -> list:
+        out = self.out
+        if rank in out.done and not out.marks[rank] and self.sup.ended(rank):
+            return self._finish(rank)
+        return []
+
+    def _finish(self, rank: int) -> list:
+        done = self.out.done[rank]
+        if done.error is not None and self.pool.logs is not None:
+            self.pool.logs.error(rank, self.pool.roster[rank].pid, done.error)
+        return self.out.finish(rank)

@@ -1,0 +1,159 @@
+"""The rank processes of a local pool: folders, environment, start, kill and reap.
+
+A local pool's ranks are started through a launcher (by default a fork server
+that has imported torch, see :mod:`nbddp.launch`), each with torchrun's
+environment, in its own session, writing its early output to a log file in
+the pool's private folder. Ranks started elsewhere (torchrun on other hosts)
+have no processes here: :class:`RankProcesses` then has no launcher, and
+reaping waits for their connections to close instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+from . import payload
+from .launch import Launcher, make_launcher
+
+__all__ = ["RankProcesses"]
+
+
+class RankProcesses:
+    """The pool's private folders and, for a local pool, its ranks' processes."""
+
+    def __init__(self, start_method: str, local: bool) -> None:
+        self.start_method = start_method
+        self.local = local
+        self.launcher: Launcher | None = None
+        self.dir: str | None = None  # private (0700): the socket, the ranks' start logs
+        self.shm: str | None = None  # the pool's private shared-memory folder
+
+    def make_folders(self) -> None:
+        if self.dir is None:
+            self.dir = tempfile.mkdtemp(prefix="nbddp-")  # mode 0700
+            self.shm = payload.shm_dir()  # where ranks write big values for the notebook
+
+    def start(self, rank: int, address: str, env: dict[str, str]) -> int:
+        """Start ``rank``'s process, connecting to ``address``; its pid."""
+        if self.launcher is None:
+            self.launcher = make_launcher(self.start_method)
+        return self.launcher.start(["--connect", address], env, self.log_path(rank), os.getcwd())
+
+    def log_path(self, rank: int) -> str:
+        return os.path.join(self.dir or "", f"rank{rank}.log")
+
+    def log_tail(self, rank: int, lines: int = 20) -> str:
+        """The last lines a rank wrote before it connected its streams (for errors)."""
+        try:
+            with open(self.log_path(rank), errors="replace") as f:
+                tail = f.readlines()[-lines:]
+        except OSError:
+            return ""
+        return ("\n" + "".join(tail).rstrip()) if tail else ""
+
+    # ------------------------------------------------------------ exits
+
+    def sentinels(self) -> list:
+        return [] if self.launcher is None else self.launcher.sentinels()
+
+    def exited(self, pids: dict[int, int]) -> list[int]:
+        """Which of ``pids`` (rank -> pid) have ended, as far as the launcher knows now."""
+        if self.launcher is None:
+            return []
+        self.launcher.poll()
+        return [rank for rank, pid in pids.items() if pid in self.launcher.returncodes]
+
+    def returncode(self, pid: int, timeout: float = 2.0) -> int | None:
+        return None if self.launcher is None else self.launcher.returncode(pid, timeout=timeout)
+
+    def kill(self, pid: int) -> bool:
+        """SIGKILL a rank's session; False for ranks started elsewhere (not ours to kill)."""
+        if self.launcher is None:
+            return False
+        self.launcher.kill(pid, signal.SIGKILL)
+        return True
+
+    def reap(self, pids: list[int], deadline: float) -> dict[int, int | None]:
+        """Wait for processes until ``deadline``, then SIGKILL their sessions; pid -> code."""
+        codes: dict[int, int | None] = {}
+        launcher = self.launcher
+        if launcher is None:
+            return dict.fromkeys(pids)
+        for pid in pids:
+            code = launcher.returncode(pid, timeout=max(0.0, deadline - time.monotonic()))
+            if code is None:
+                launcher.kill(pid, signal.SIGKILL)
+                code = launcher.returncode(pid, timeout=5.0)
+            launcher.kill(pid, signal.SIGKILL)  # whatever it started, too
+            codes[pid] = code
+        return codes
+
+    def close(self) -> None:
+        """End the launcher and remove the folders."""
+        if self.launcher is not None:
+            self.launcher.close()
+            self.launcher = None
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            shutil.rmtree(self.shm, ignore_errors=True)
+            self.dir = None
+
+
+def rank_env(pool, rank: int, token: bytes, shm: str) -> dict[str, str]:
+    """Rank ``rank``'s environment in a local pool started with ``pool``'s options."""
+    env = dict(os.environ)
+    env.pop("MASTER_PORT", None)  # rank 0 binds a free port and reports it
+    n = str(pool.world_size)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=n,
+        LOCAL_WORLD_SIZE=n,
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        NBDDP_SYS_PATH=os.pathsep.join(p for p in sys.path if p),  # what it can import
+        NBDDP_TOKEN=token.decode(),
+        NBDDP_SHM_DIR=shm,
+        MPLBACKEND="module://nbddp.mpl_backend",
+    )
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # a local pool stays local
+        env.setdefault(var, "lo")
+    for var, value in (
+        ("NBDDP_BACKEND", pool.backend),
+        ("NBDDP_PG_TIMEOUT", pool.pg_timeout or None),
+        ("NBDDP_DEVICE", pool.device),
+        ("NBDDP_SEED", pool.seed),
+        ("NBDDP_GROUPS", pool.groups),
+        ("NBDDP_MESH", pool.mesh),
+        ("NBDDP_THREADS", pool.threads),
+        ("TORCH_DISTRIBUTED_DEBUG", "DETAIL" if pool.debug else None),
+        ("CUDA_VISIBLE_DEVICES", None if pool.gpus is None else ",".join(map(str, pool.gpus))),
+    ):
+        if value is not None and value != "":
+            env[var] = str(value)
+    env.update(pool.extra_env)
+    return env
+
+
+def enough_open_files(ranks: int) -> None:
+    """Raise this process's soft limit on open files, if needed, to fit ``ranks`` more.
+
+    Each rank holds 3 connections to the notebook (control, stdout, stderr): with
+    the usual soft limit of 1024, a pool of about 340 ranks would not fit. Raised
+    toward the hard limit only as far as needed, as torchrun users raise it by hand.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = len(os.listdir("/proc/self/fd")) + 4 * ranks + 64
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))

@@ -1,0 +1,241 @@
+"""The roster: the pool's rank table, each rank's state, and the start handshake.
+
+A rank record holds what the notebook knows of one rank (pid, host, device,
+state, the names in its namespace) and its :class:`~nbddp.hub.Link`. New
+connections come here from the hub (:meth:`Roster.attach`): a rank's Hello
+makes or completes its record, its two StreamHellos add its streams, a
+relay's hello adds a relay. The handshake (:meth:`Roster.handshake`) waits
+until every rank has joined the group and said Ready.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import protocol as P
+from .errors import PoolStartError, describe_exit
+from .hub import Gone, Hub, Link, Msg, RelayLink, Stream, Text
+
+__all__ = ["Rank", "Roster"]
+
+STATES = ("starting", "idle", "running", "dead")
+
+
+@dataclass
+class Rank:
+    rank: int
+    pid: int
+    host: str = ""
+    link: Link = field(default_factory=Link)
+    state: str = "starting"  # one of STATES
+    device: str = ""
+    backend: str = ""
+    started: float = field(default_factory=time.monotonic)
+    returncode: int | None = None
+    names: frozenset[str] = frozenset()  # the rank's global names, as last reported
+
+    def send(self, msg: object) -> bool:
+        return self.send_bytes(P.dumps(msg))
+
+    def send_bytes(self, data: bytes) -> bool:
+        link = self.link
+        if link.conn is None or self.state == "dead":
+            return False
+        if link.relay is not None:
+            return link.relay.send((self.rank,), data)
+        try:
+            link.conn.send_bytes(data)
+            return True
+        except OSError:
+            return False
+
+
+def _version_error(who: str, version: int) -> PoolStartError:
+    return PoolStartError(
+        f"{who} speaks protocol {version}, the notebook {P.PROTOCOL_VERSION}: "
+        "install the same nbddp version on every host"
+    )
+
+
+class Roster:
+    """The rank table of one pool and how ranks join it."""
+
+    def __init__(self, world_size: int, attached: bool) -> None:
+        self.world_size = world_size
+        self.attached = attached  # ranks started elsewhere join by their Hello
+        self.ranks: dict[int, Rank] = {}
+        self.hub: Hub | None = None
+        self.store_port: int | None = None  # the group's store, as rank 0 reported it
+        self.backlog: list[P.Output] = []  # output between cells, said with the next
+        self.on_join: Callable[[int, int], None] | None = None
+        self.refuse: Callable[[str], None] = lambda _line: None
+        self._early: dict[int, list] = {}  # attached: streams that came before their rank
+
+    # ------------------------------------------------------------ the table
+
+    def __getitem__(self, rank: int) -> Rank:
+        return self.ranks[rank]
+
+    def live(self) -> list[Rank]:
+        return [r for r in self.ranks.values() if r.state != "dead"]
+
+    @property
+    def started(self) -> bool:
+        return bool(self.ranks) and all(r.state in ("idle", "running") for r in self.ranks.values())
+
+    def pids(self) -> dict[int, int]:
+        return {r.rank: r.pid for r in self.ranks.values() if r.state != "dead"}
+
+    def names_on(self, ranks: list[int] | None = None) -> frozenset[str]:
+        chosen = [self.ranks[r] for r in (ranks if ranks is not None else self.ranks)]
+        return frozenset.intersection(*(r.names for r in chosen)) if chosen else frozenset()
+
+    def hosts(self) -> dict[int, str]:
+        hosts = {r.rank: r.host for r in self.ranks.values()}
+        return hosts if len(set(hosts.values())) > 1 else {}
+
+    def backend(self) -> str:
+        return next((r.backend for r in self.ranks.values() if r.backend), "")
+
+    def add(self, rank: int, pid: int) -> None:
+        self.ranks[rank] = Rank(rank, pid)
+
+    def clear(self) -> list[Rank]:
+        """Forget every rank and early stream; the connections to close."""
+        ranks = list(self.ranks.values())
+        for early in self._early.values():
+            for conn, _, relay in early:
+                if relay is None:
+                    conn.close()
+        self._early.clear()
+        self.ranks.clear()
+        self.store_port = None
+        return ranks
+
+    # ------------------------------------------------------------ joining
+
+    def attach(self, conn, hello: object, relay: RelayLink | None = None) -> None:
+        """A connection that proved it holds the token, and its first message."""
+        if isinstance(hello, P.RelayHello):
+            if hello.version != P.PROTOCOL_VERSION:
+                conn.close()
+                raise _version_error(f"the relay of {hello.host}", hello.version)
+            self.hub.add_relay(RelayLink(conn, hello))
+            return
+        rank = getattr(hello, "rank", -1)
+        joins = self.attached and isinstance(hello, P.Hello) and rank not in self.ranks
+        if joins and not self._admit(conn, hello):
+            return
+        r = self.ranks.get(rank)
+        if r is None and self.attached and isinstance(hello, P.StreamHello):
+            # its stream finished the handshake before its control connection did
+            self._early.setdefault(rank, []).append((conn, hello, relay))
+            return
+        if r is None or r.state == "dead" or not isinstance(hello, (P.Hello, P.StreamHello)):
+            if relay is None:
+                conn.close()
+            return
+        if isinstance(hello, P.Hello):
+            self._hello(r, conn, hello, relay)
+        else:
+            self._stream(r, conn, hello, relay)
+
+    def _admit(self, conn, hello: P.Hello) -> bool:
+        if hello.world_size != self.world_size or not 0 <= hello.rank < self.world_size:
+            conn.close()
+            self.refuse(
+                f"refused rank {hello.rank} of a world of {hello.world_size}: "
+                f"this pool waits for {self.world_size} ranks"
+            )
+            return False
+        self.ranks[hello.rank] = Rank(hello.rank, hello.pid)
+        return True
+
+    def _hello(self, r: Rank, conn, hello: P.Hello, relay: RelayLink | None) -> None:
+        if hello.version != P.PROTOCOL_VERSION:
+            if relay is None:
+                conn.close()
+            raise _version_error(f"rank {hello.rank}", hello.version)
+        r.link.conn, r.link.relay, r.pid, r.host = conn, relay, hello.pid, hello.host
+        if relay is None:
+            self.hub.watch(conn.fileno(), (r.rank, None))
+        else:
+            relay.ranks.add(r.rank)
+        for early in self._early.pop(r.rank, ()):
+            self.attach(*early)
+        if self.store_port is not None and r.rank != 0:
+            r.send(P.JoinGroup(self.store_port))
+        if self.on_join is not None:
+            self.on_join(len(self.ranks), self.world_size)
+
+    def _stream(self, r: Rank, conn, hello: P.StreamHello, relay: RelayLink | None) -> None:
+        if relay is not None:
+            r.link.streams[hello.stream] = Stream(None, hello.stream)
+            return
+        stream = r.link.streams[hello.stream] = Stream(conn, hello.stream)
+        self.hub.watch(stream.fd, (r.rank, stream))
+
+    def set_store_port(self, port: int) -> None:
+        """Rank 0 formed the group's store: the others join it."""
+        self.store_port = port
+        others = [r for r in self.ranks.values() if r.rank != 0 and r.link.conn is not None]
+        self.hub.deliver([r.rank for r in others], P.dumps(P.JoinGroup(port)))
+
+    # ------------------------------------------------------------ the handshake
+
+    def ready(self) -> bool:
+        return len(self.ranks) == self.world_size and all(
+            r.state == "idle" and r.link.connected for r in self.ranks.values()
+        )
+
+    def handshake(
+        self,
+        timeout: float,
+        exit_code: Callable[[Rank], int | None],
+        log_tail: Callable[[int], str],
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """Wait until every rank is in the group and idle; PoolStartError otherwise."""
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            left = deadline - time.monotonic()
+            if cancelled():
+                raise PoolStartError("interrupted while waiting for the ranks")
+            if left <= 0:
+                waiting = [
+                    r
+                    for r in range(self.world_size)
+                    if r not in self.ranks or self.ranks[r].state != "idle"
+                ]
+                raise PoolStartError(
+                    f"ranks {waiting} did not start within {timeout:g} s" + log_tail(waiting[0])
+                )
+            for item in self.hub.pump(min(left, 1.0)):
+                self._handshake_item(item, exit_code, log_tail)
+        joined = sorted(self.ranks.items())  # ranks joined in any order
+        self.ranks.clear()  # (the same dict: the hub reads it)
+        self.ranks.update(joined)
+
+    def _handshake_item(self, item, exit_code, log_tail) -> None:
+        kind = type(item)
+        if kind is Text:
+            self.backlog.append(P.Output(item.rank, item.stream, item.text))
+        elif kind is Gone:
+            code = exit_code(self.ranks[item.rank])
+            raise PoolStartError(
+                f"rank {item.rank} exited while starting ({describe_exit(code)})"
+                + log_tail(item.rank)
+            )
+        elif kind is Msg:
+            self._handshake_msg(self.ranks[item.rank], item.msg)
+
+    def _handshake_msg(self, r: Rank, msg: object) -> None:
+        if isinstance(msg, P.StorePort):
+            self.set_store_port(msg.port)
+        elif isinstance(msg, P.Ready):
+            r.state, r.backend, r.device = "idle", msg.backend, msg.device
+            r.names = frozenset(msg.names) or r.names
+        elif isinstance(msg, P.Fatal):
+            raise PoolStartError(f"rank {r.rank} failed to start:\n{msg.error.traceback}")
