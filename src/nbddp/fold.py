@@ -240,8 +240,8 @@ class Folder:
         return out
 
     def flush(self) -> list[Group]:
-        """Every line still unfinished or open (the cell ended, or what came before must
-        show now)."""
+        """Every group still open, then each rank's unfinished line as a line of its own
+        (the cell ended, or what came before must show now)."""
         out = []
         for rank in sorted({rank for rank, _ in self._partial}):
             out += self._unfinished(rank)
