@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from nbddp.fold import Folder, fold_key, rank_set
+from nbddp import protocol as P
+from nbddp.fold import Folder, Lines, fold_key, rank_set
 
 
 def lines(groups):
@@ -127,3 +128,95 @@ def test_nothing_is_lost_and_every_rank_keeps_its_order(n, seed):
     assert sum(len(g.ranks) for g in out) == sum(map(len, printed.values()))
     if all(printed[r] == ["a"] for r in range(n)):
         assert len(out) == 1
+
+
+# ---------------------------------------------------------------- a cell's events in
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_text_chunks_become_whole_lines_and_a_carriage_return_rewrites_the_line():
+    lines = Lines()
+    assert lines.feed("a\nb") == ["a"]
+    assert lines.current == "b"
+    assert lines.feed(" 10%\r 50%\r") == []
+    assert lines.current == " 50%"
+    assert lines.feed("\r100%\n") == ["100%"]
+    assert lines.flush() == []
+    lines.feed("tail")
+    assert lines.flush() == ["tail"]
+    assert lines.current == ""
+
+
+def test_output_events_fold_once_their_lines_are_whole():
+    f = Folder(range(2), clock=Clock())
+    assert f.output(P.Output(0, "stdout", "same\nhalf")) == []
+    assert f.current(0, "stdout") == "half"
+    assert f.current(1, "stdout") == ""  # printed nothing yet
+    assert lines(f.output(P.Output(1, "stdout", "same\n"))) == [("ranks 0-1", "same")]
+
+
+def test_a_rank_that_ends_counts_its_unfinished_line_and_is_not_waited_for():
+    f = Folder((), clock=Clock())
+    f.state(P.RankState(0, "running"))
+    f.state(P.RankState(1, "running"))
+    assert f.output(P.Output(0, "stdout", "x\n")) == []  # waits for rank 1
+    assert f.output(P.Output(1, "stderr", "no newline")) == []
+    # rank 1's last line is a line now, and it waits for rank 0, which may still print it
+    assert lines(f.state(P.RankState(1, "failed"))) == [("rank 0", "x")]
+    assert lines(f.state(P.RankState(0, "done"))) == [("rank 1", "no newline")]
+    assert f.pending == 0
+
+
+def test_a_result_comes_after_what_the_rank_printed_and_folds_as_out_lines():
+    f = Folder(range(2), clock=Clock())
+    f.output(P.Output(0, "stdout", "before"))
+    out = f.result(P.RankResult(0, "tensor([1.,\n 2.])"))
+    out += f.output(P.Output(1, "stdout", "before\n"))
+    out += f.result(P.RankResult(1, "tensor([1.,\n 2.])"))
+    assert lines(out) == [
+        ("ranks 0-1", "before"),
+        ("ranks 0-1", "Out: tensor([1.,"),
+        ("ranks 0-1", "      2.])"),
+    ]
+    assert lines(Folder([0], clock=Clock()).result(P.RankResult(0, ""))) == [("rank 0", "Out: ")]
+
+
+def test_due_reads_the_clock_and_flush_lets_out_open_groups_and_unfinished_lines():
+    clock = Clock()
+    f = Folder(range(3), clock=clock)
+    f.output(P.Output(2, "stdout", "first\n"))
+    f.output(P.Output(1, "stdout", "unfinished"))
+    assert f.due() == []
+    clock.t = 0.3  # past the window: nobody else printed it
+    assert lines(f.due()) == [("rank 2", "first")]
+    f.output(P.Output(0, "stdout", "open\n"))
+    # the unfinished line becomes a line now: after the group opened before it
+    assert lines(f.flush()) == [("rank 0", "open"), ("rank 1", "unfinished")]
+    assert f.flush() == []
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_events_fold_as_the_same_whole_lines_do(seed):
+    """Lines cut into random chunks give the groups the whole lines give."""
+    rng = random.Random(seed)
+    printed = {r: [rng.choice(["a", "b", f"own {r}"]) for _ in range(8)] for r in range(4)}
+    by_lines, by_events = Folder(range(4)), Folder(range(4), clock=Clock())
+    expected = []
+    for r, lines_ in printed.items():
+        expected += by_lines.feed_lines(r, "stdout", lines_, 0.0)
+    expected += by_lines.flush()
+    got = []
+    for r, lines_ in printed.items():
+        text = "".join(line + "\n" for line in lines_)
+        cuts = sorted(rng.sample(range(len(text)), 3))
+        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            got += by_events.output(P.Output(r, "stdout", text[a:b]))
+    got += by_events.flush()
+    assert lines(got) == lines(expected)

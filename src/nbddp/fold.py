@@ -11,14 +11,25 @@ with the same text that it has not passed yet; otherwise it opens a group.
 
 tqdm bars fold on what they show (description, percentage, count), not on
 their timings; the folded line is the last rank's (the slowest) bar.
+
+:class:`Folder` takes a cell's events too (``output``, ``state``, ``result``): each
+rank's text chunks become whole lines (:class:`Lines`: a carriage return rewrites
+the line so far), a rank that ends counts its unfinished line as a line, and a
+result shows as ``Out:`` lines. Both sinks (the text sink and the dashboard) fold
+through it.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections import deque
+from typing import TYPE_CHECKING
 
-__all__ = ["Folder", "Group", "rank_set"]
+if TYPE_CHECKING:
+    from . import protocol as P
+
+__all__ = ["Folder", "Group", "Lines", "rank_set"]
 
 # tqdm's default layout: "desc: 100%|█████| 10/10 [00:01<00:00,  9.81it/s]"
 _TQDM = re.compile(r"^(.*?\d+%\|.*\|\s*\S+/\S+)\s+\[[^\]]*\]\s*$")
@@ -63,20 +74,51 @@ class Group:
         return f"ranks {rank_set(self.ranks)}"
 
 
-class Folder:
-    """Lines in (``feed``), folded groups out, in order (``feed``, ``due``, ``flush``).
+class Lines:
+    """Text chunks in, whole lines out; a carriage return rewrites the line so far."""
 
+    def __init__(self) -> None:
+        self.partial = ""
+
+    def feed(self, text: str) -> list[str]:
+        *lines, self.partial = (self.partial + text).split("\n")
+        return [self.settle(line) for line in lines]
+
+    @staticmethod
+    def settle(line: str) -> str:
+        if "\r" in line:  # a progress bar: its last state is the line
+            stripped = line.rstrip("\r")
+            line = stripped.rsplit("\r", 1)[-1]
+        return line
+
+    @property
+    def current(self) -> str:
+        """The unfinished line as it reads now (what a terminal would show)."""
+        return self.settle(self.partial)
+
+    def flush(self) -> list[str]:
+        rest, self.partial = self.current, ""
+        return [rest] if rest else []
+
+
+class Folder:
+    """A cell's output in, folded groups out, in order.
+
+    Lines in with ``feed``/``feed_lines``, or events in with ``output``, ``state``
+    and ``result``; groups come out of each, and of ``due`` and ``flush``.
     ``ranks`` are the ranks expected to print; ``window`` seconds bound how long
     a line waits for the same line from other ranks. ``window=0`` folds nothing
-    (``--no-fold``): every line comes out as it arrives.
+    (``--no-fold``): every line comes out as it arrives. ``clock`` dates the
+    lines that events bring.
     """
 
-    def __init__(self, ranks, *, window: float = 0.25) -> None:
+    def __init__(self, ranks, *, window: float = 0.25, clock=time.monotonic) -> None:
         self.window = window
+        self.clock = clock
+        self._partial: dict[tuple[int, str], Lines] = {}  # each rank's unfinished lines
         self._seq = 0
         self._open: deque[Group] = deque()
         self._by_key: dict[tuple[str, str], list[Group]] = {}
-        # the newest group each rank joined (-1: none yet), and how many ranks are at each
         # the newest group each rank joined (-1: none yet; None: the rank ended), how many
         # ranks are at each group, and the oldest of those: groups up to it are settled
         self._last: dict[int, int | None] = {}
@@ -84,6 +126,48 @@ class Folder:
         self._low = _NEVER
         for rank in ranks:
             self.expect(rank)
+
+    # -- events
+
+    def output(self, event: P.Output) -> list[Group]:
+        """Text a rank printed: its whole lines go in, the rest waits for its newline."""
+        key = (event.rank, event.stream)
+        lines = self._partial.get(key)
+        if lines is None:
+            lines = self._partial[key] = Lines()
+        return self.feed_lines(event.rank, event.stream, lines.feed(event.text), self.clock())
+
+    def current(self, rank: int, stream: str) -> str:
+        """``rank``'s unfinished line on ``stream`` as it reads now."""
+        lines = self._partial.get((rank, stream))
+        return "" if lines is None else lines.current
+
+    def state(self, event: P.RankState) -> list[Group]:
+        """A rank started (lines wait for it) or ended (nothing waits for it)."""
+        if event.state == "running":
+            self.expect(event.rank)
+            return []
+        return self.finish(event.rank)
+
+    def result(self, event: P.RankResult) -> list[Group]:
+        """A rank's value of the cell's last expression, as ``Out:`` lines."""
+        out = self._unfinished(event.rank)  # what it printed before comes first
+        shown = [
+            f"{'Out: ' if i == 0 else '     '}{line}"
+            for i, line in enumerate(event.value_repr.splitlines() or [""])
+        ]
+        return out + self.feed_lines(event.rank, "stdout", shown, self.clock())
+
+    def _unfinished(self, rank: int) -> list[Group]:
+        """The rank's unfinished lines, counted as lines from now on."""
+        out = []
+        for stream in ("stdout", "stderr"):
+            lines = self._partial.get((rank, stream))
+            if lines is not None:
+                out += self.feed_lines(rank, stream, lines.flush(), self.clock())
+        return out
+
+    # -- lines
 
     def feed(self, rank: int, stream: str, line: str, now: float) -> list[Group]:
         """A whole line from ``rank``; returns the groups now ready, in order."""
@@ -134,15 +218,19 @@ class Folder:
         if self._last.get(rank) is None:
             self._enter(rank, self._seq - 1)
 
-    def finish(self, rank: int, now: float) -> list[Group]:
-        """``rank`` prints no more in this cell: groups waiting only for it can go."""
+    def finish(self, rank: int, now: float | None = None) -> list[Group]:
+        """``rank`` prints no more in this cell: its unfinished lines count as lines, and
+        groups waiting only for it can go."""
+        out = self._unfinished(rank)
         if self._last.get(rank) is not None:
             self._leave(self._last[rank])
             self._last[rank] = None
-        return self.due(now)
+        return out + self.due(now)
 
-    def due(self, now: float) -> list[Group]:
+    def due(self, now: float | None = None) -> list[Group]:
         """The groups ready now: settled, or older than the window, from the oldest."""
+        if now is None:
+            now = self.clock()
         out = []
         while self._open:
             head = self._open[0]
@@ -152,8 +240,12 @@ class Folder:
         return out
 
     def flush(self) -> list[Group]:
-        """Every group still open (the cell ended)."""
-        return [self._pop() for _ in range(len(self._open))]
+        """Every group still open, then each rank's unfinished line as a line of its own
+        (the cell ended, or what came before must show now)."""
+        out = []
+        for rank in sorted({rank for rank, _ in self._partial}):
+            out += self._unfinished(rank)
+        return out + [self._pop() for _ in range(len(self._open))]
 
     @property
     def pending(self) -> int:

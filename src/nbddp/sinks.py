@@ -1,0 +1,133 @@
+"""Sinks: where a cell's events are shown. A sink renders; it never steers the pool.
+
+- :class:`Sink`: what every sink is: ``handle`` each event, ``close`` at the end.
+- :class:`TextSink`: ``[rank N] line`` as lines arrive (terminal IPython,
+  ``--text``), or nothing unless a rank fails (``--quiet``).
+- the widget sink, :class:`nbddp.dashboard.Dashboard`, lives in its own module.
+
+Every sink folds output through one :class:`nbddp.fold.Folder`: a line several
+ranks print shows once as ``[ranks 0-31] line``; ``fold=False`` shows every
+rank's line. Rich output (``display`` and figures from the display ranks) goes
+to the cell's output (:func:`show_rich`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from typing import Protocol, TextIO
+
+from . import protocol as P
+from .fold import Folder, Group
+
+__all__ = ["FOLD_WINDOW", "Sink", "TextSink", "show_rich"]
+
+FOLD_WINDOW = 0.25  # seconds a line waits for the same line from the other ranks
+
+
+class Sink(Protocol):
+    def handle(self, event: object) -> None: ...
+
+    def close(self, end: P.CellEnd | None) -> None: ...
+
+
+def show_rich(event: P.RankDisplay) -> None:
+    """Put a rank's rich output in the cell's output area."""
+    from IPython.display import display
+
+    display(event.data, metadata=event.metadata, raw=True)
+
+
+class TextSink:
+    """Lines as ``[rank N] text`` (folded: ``[ranks 0-3] text``), live; the first ``head``
+    folded lines as they come, then the last ``tail``; ``quiet`` holds them back unless a
+    rank fails, and then shows the failed ranks' lines."""
+
+    def __init__(
+        self,
+        *,
+        quiet: bool = False,
+        fold: bool = True,
+        head: int = 5000,
+        tail: int = 1000,
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+        hosts: dict[int, str] | None = None,
+        clock=time.monotonic,
+        window: float = FOLD_WINDOW,
+    ) -> None:
+        self.quiet = quiet
+        self.hosts = dict(hosts or {})
+        self._fold = Folder((), window=window if fold else 0, clock=clock)
+        self._head = head
+        self._out = stdout
+        self._err = stderr
+        self._shown = 0
+        self._tail: deque[Group] = deque(maxlen=tail)
+        self._dropped = 0
+        self._held: dict[int, deque[Group]] = {}  # quiet: each rank's last lines
+
+    def _tag(self, group: Group) -> str:
+        if len(group.ranks) == 1 and group.ranks[0] in self.hosts:
+            return f"[rank {group.ranks[0]}@{self.hosts[group.ranks[0]]}]"
+        return f"[{group.label}]"
+
+    def _stream(self, name: str) -> TextIO:
+        if name == "stderr":
+            return self._err or sys.stderr
+        return self._out or sys.stdout
+
+    def handle(self, event: object) -> None:
+        if isinstance(event, P.Output):
+            self._take(self._fold.output(event))
+        elif isinstance(event, P.RankStates):
+            for one in event.each():
+                self.handle(one)
+        elif isinstance(event, P.RankState):
+            self._take(self._fold.state(event))
+        elif isinstance(event, P.RankResult) and event.value_repr is not None and not self.quiet:
+            self._take(self._fold.result(event))
+        elif isinstance(event, P.RankDisplay) and not self.quiet:
+            self._take(self._fold.flush())  # the lines printed before it come first
+            self._stream("stdout").flush()
+            show_rich(event)
+        elif isinstance(event, P.RankDebug):  # pdb's session follows: what came before first
+            self._take(self._fold.flush())
+            self._stream("stdout").flush()
+            self._stream("stderr").flush()
+        else:
+            self._take(self._fold.due())
+
+    def _take(self, groups: list[Group]) -> None:
+        for group in groups:
+            if self.quiet:
+                for rank in group.ranks:
+                    self._held.setdefault(rank, deque(maxlen=self._head + self._tail.maxlen))
+                    self._held[rank].append(group)
+            elif self._shown < self._head:
+                self._shown += 1
+                self._write(group)
+            else:
+                if len(self._tail) == self._tail.maxlen:
+                    self._dropped += 1
+                self._tail.append(group)
+
+    def _write(self, group: Group) -> None:
+        self._stream(group.stream).write(f"{self._tag(group)} {group.text}\n")
+
+    def close(self, end: P.CellEnd | None) -> None:
+        self._take(self._fold.flush())
+        if self.quiet:
+            failed = set() if end is None else set(end.errors) | set(end.exits)
+            shown = {id(g): g for r in sorted(failed) for g in self._held.get(r, ())}
+            for group in sorted(shown.values(), key=lambda g: g.seq):
+                self._write(group)
+        else:
+            if self._dropped:
+                self._stream("stderr").write(f"[nbddp] ... {self._dropped} lines not shown ...\n")
+            for group in self._tail:
+                self._write(group)
+            self._tail.clear()
+        for out in (self._stream("stdout"), self._stream("stderr")):
+            out.flush()
