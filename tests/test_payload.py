@@ -102,3 +102,64 @@ def test_a_pool_leaves_no_shared_memory_behind():
         os.kill(pool.pids[1], 9)  # a killed rank cleans up nothing itself
     after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert not {n for n in after - before if n.startswith("nbddp-")}
+
+
+# ---------------------------------------------------------------- who owns a folder in /dev/shm
+
+HOLD_LOCK = (
+    "import fcntl, os, sys\n"
+    "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+    "print('held', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def test_a_folder_is_kept_while_its_lock_is_held_whatever_pid_its_name_carries():
+    """/dev/shm shared across PID namespaces (--ipc=host): the pid in a folder's name may
+    be dead here yet alive there, or alive here and someone else's. The lock decides."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+    mine = payload.shm_dir()  # the new kind of folder, made by a live owner: held
+    live = os.path.join(os.path.dirname(mine), f"nbddp-{dead}-Lheldelsewhere")
+    orphan = os.path.join(base, f"nbddp-{os.getpid()}-Lnobodyholdsit")  # pid alive, no owner
+    os.makedirs(live, mode=0o700)
+    os.makedirs(orphan, mode=0o700)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, live], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    made = []
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        made.append(payload.shm_dir())  # sweeps
+        assert os.path.isdir(live), "a folder whose lock a live process holds was removed"
+        assert os.path.isdir(mine)
+        assert not os.path.exists(orphan), "a folder nobody holds was kept"
+        holder.stdin.close()
+        assert holder.wait() == 0
+        made.append(payload.shm_dir())  # the holder is gone: now it goes
+        assert not os.path.exists(live)
+        assert os.path.isdir(mine)
+    finally:
+        holder.kill()
+        holder.wait()
+        for path in [mine, live, orphan, *made]:
+            if os.path.isdir(path):
+                os.rmdir(path)
+
+
+def test_the_lock_of_a_removed_folder_is_let_go():
+    """Pools remove their folder themselves; the lock's descriptor goes at the next call."""
+    first = payload.shm_dir()
+    os.rmdir(first)
+    second = payload.shm_dir()
+    try:
+        assert first not in payload._held
+        assert second in payload._held
+    finally:
+        os.rmdir(second)

@@ -16,11 +16,13 @@ Whoever calls ``dumps`` removes the files once every receiver has loaded.
 
 from __future__ import annotations
 
+import fcntl
 import io
 import itertools
 import os
 import pickle
 import secrets
+import shutil
 import tempfile
 
 import cloudpickle
@@ -35,12 +37,43 @@ _counter = itertools.count()
 def shm_dir() -> str:
     """A fresh private (0700) directory on tmpfs (or in the temp dir without /dev/shm).
 
-    Its name carries this process's pid, so the directories of processes that
-    died without cleaning up are removed here, by the next one.
+    This process holds a lock on it (``flock`` on the directory) for as long as
+    it lives, so the directories of processes that died without cleaning up are
+    removed here, by the next one, and no live one's ever is, even where
+    ``/dev/shm`` is shared with other PID namespaces (containers with
+    ``--ipc=host``), whose pids mean nothing here. Its name carries this
+    process's pid, for people reading ``ls``.
     """
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    _sweep(base or tempfile.gettempdir())
-    return tempfile.mkdtemp(prefix=f"nbddp-{os.getpid()}-", dir=base)
+    base = base or tempfile.gettempdir()
+    _release_removed()
+    _sweep(base)
+    # made and locked under a name the sweep never touches, then renamed: no one ever
+    # sees it unlocked under its own name
+    staging = tempfile.mkdtemp(prefix=".nbddp-new-", dir=base)
+    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path = os.path.join(base, f"nbddp-{os.getpid()}-{_LOCKED}{secrets.token_hex(8)}")
+        os.rename(staging, path)
+    except BaseException:
+        os.close(fd)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _held[path] = fd
+    return path
+
+
+_LOCKED = "L"  # starts the last part of a locked folder's name (mkdtemp's names are lowercase)
+_held: dict[str, int] = {}  # the folders this process made: their open, locked descriptors
+
+
+def _release_removed() -> None:
+    """Close the locks of folders made here and since removed (by whoever removed them)."""
+    for path, fd in list(_held.items()):
+        if os.fstat(fd).st_nlink == 0:
+            os.close(fd)
+            del _held[path]
 
 
 def private_dir(path: str) -> str:
@@ -61,19 +94,41 @@ def private_dir(path: str) -> str:
 
 
 def _sweep(base: str) -> None:
-    """Remove ``nbddp-PID-*`` directories whose process no longer exists."""
-    import shutil
+    """Remove the ``nbddp-PID-*`` directories no live process holds.
 
+    A folder made by :func:`shm_dir` is removed when its lock can be taken;
+    one of the older, unlocked kind (made by an earlier nbddp) when no process
+    has its pid here.
+    """
     for name in os.listdir(base):
-        parts = name.split("-")
+        parts = name.split("-", 2)
         if len(parts) < 3 or parts[0] != "nbddp" or not parts[1].isdigit():
+            continue
+        path = os.path.join(base, name)
+        if parts[2].startswith(_LOCKED):
+            _remove_if_unheld(path)
             continue
         try:
             os.kill(int(parts[1]), 0)
         except ProcessLookupError:
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
         except PermissionError:
             pass  # someone else's, and alive
+
+
+def _remove_if_unheld(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return  # gone, not a directory, or not ours to enter
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # its owner lives
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        os.close(fd)
 
 
 class Shipment:
