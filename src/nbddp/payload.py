@@ -160,23 +160,86 @@ def _write(path: str, tensor: torch.Tensor) -> None:
         os.close(fd)
 
 
-def _load_tensor(
-    path: str,
+def _load_storage_file(path: str, nbytes: int, to_device: bool) -> torch.UntypedStorage:
+    raw = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+    return (raw.to(_rank_device()) if to_device else raw).untyped_storage()
+
+
+def _load_storage_inline(data: bytearray, to_device: bool) -> torch.UntypedStorage:
+    raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return (raw.to(_rank_device()) if to_device else raw).untyped_storage()
+
+
+def _load_view(
+    storage: torch.UntypedStorage,
     dtype: torch.dtype,
     shape: tuple,
+    stride: tuple,
+    offset: int,
     requires_grad: bool,
-    to_device: bool,
     parameter: bool,
+    attrs: dict | None,
 ) -> torch.Tensor:
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    t = torch.from_file(path, shared=False, size=numel, dtype=dtype).reshape(shape)
-    if to_device:
-        t = t.to(_rank_device())
+    """One tensor on a storage that every view of it pickled alongside shares."""
+    t = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
     if parameter:
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
-    return t.requires_grad_(requires_grad) if requires_grad else t
+        t = torch.nn.Parameter(t, requires_grad=requires_grad)
+    elif requires_grad:
+        t.requires_grad_(True)
+    for name, value in (attrs or {}).items():
+        setattr(t, name, value)
+    return t
+
+
+class _Storage:
+    """A storage some tensors being pickled are views of: pickled once (the pickle's
+    memo), so the views come back as views of one storage, as ``torch.save`` keeps them.
+
+    With a file, only the bytes the views cover are written (the rest is a hole)."""
+
+    def __init__(self, storage: torch.UntypedStorage, device: torch.device, path: str | None):
+        self.storage, self.device, self.path = storage, device, path
+        self.written: list[tuple[int, int]] = []
+        if path is not None:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            try:
+                os.ftruncate(fd, storage.nbytes())
+            finally:
+                os.close(fd)
+
+    def _bytes(self, start: int, stop: int):
+        raw = torch.empty(0, dtype=torch.uint8, device=self.device)
+        raw.set_(self.storage, start, (stop - start,), (1,))
+        return memoryview(raw.cpu().numpy())
+
+    def cover(self, t: torch.Tensor) -> None:
+        """Write the bytes of the storage ``t`` can reach to the file (once)."""
+        if t.numel() == 0:
+            return
+        last = t.storage_offset() + sum(
+            (n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)
+        )
+        start, stop = t.storage_offset() * t.element_size(), (last + 1) * t.element_size()
+        if any(a <= start and stop <= b for a, b in self.written):
+            return
+        view = self._bytes(start, stop)
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done : done + (1 << 30)], start + done)
+        finally:
+            os.close(fd)
+        self.written.append((start, stop))
+
+    def reduce(self):
+        cuda = self.device.type == "cuda"
+        if self.path is not None:
+            return _load_storage_file, (self.path, self.storage.nbytes(), cuda)
+        return _load_storage_inline, (
+            pickle.PickleBuffer(self._bytes(0, self.storage.nbytes())),
+            cuda,
+        )
 
 
 def _load_array(path: str, dtype: str, shape: tuple):
@@ -198,6 +261,7 @@ class _Pickler(cloudpickle.CloudPickler):
         self.directory = directory
         self.min_bytes = min_bytes
         self.files: list[str] = []
+        self.storages: dict[tuple, _Storage] = {}  # by device and address
 
     def _path(self) -> str:
         path = os.path.join(self.directory, f"{secrets.token_hex(8)}-{next(_counter)}")
@@ -211,9 +275,11 @@ class _Pickler(cloudpickle.CloudPickler):
                 f"cannot pickle an open file ({getattr(obj, 'name', type(obj).__name__)}): "
                 "open it on the ranks instead"
             )
+        if isinstance(obj, _Storage):
+            return obj.reduce()
+        if isinstance(obj, torch.Tensor) and self._fits(obj):
+            return self._reduce_tensor(obj)
         if self.directory is not None:
-            if isinstance(obj, torch.Tensor) and self._fits(obj):
-                return self._reduce_tensor(obj)
             np = _numpy()
             if np is not None and type(obj) is np.ndarray and self._fits_array(obj):
                 path = self._path()
@@ -222,13 +288,13 @@ class _Pickler(cloudpickle.CloudPickler):
         return super().reducer_override(obj)
 
     def _fits(self, t: torch.Tensor) -> bool:
-        plain = type(t) in (torch.Tensor, torch.nn.Parameter)
+        """A tensor made of its storage, dtype, shape, strides, offset, grad flag and
+        attributes (everything else, as torch pickles it)."""
         return (
-            plain
+            type(t) in (torch.Tensor, torch.nn.Parameter)
             and t.layout == torch.strided
             and t.device.type in ("cpu", "cuda")
-            and not t.is_quantized
-            and t.untyped_storage().nbytes() >= self.min_bytes
+            and not (t.is_quantized or t.is_nested or t.is_conj() or t.is_neg())
             and (t.is_leaf or not t.requires_grad)
         )
 
@@ -236,18 +302,25 @@ class _Pickler(cloudpickle.CloudPickler):
         return a.nbytes >= self.min_bytes and a.dtype.hasobject is False and a.dtype.kind in "biufc"
 
     def _reduce_tensor(self, t: torch.Tensor):
-        path = self._path()
-        cuda = t.device.type == "cuda"
-        _write(path, t.detach().cpu() if cuda else t)
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr(), storage.nbytes())
+        holder = self.storages.get(key)
+        if holder is None:
+            big = self.directory is not None and storage.nbytes() >= max(self.min_bytes, 1)
+            holder = self.storages[key] = _Storage(storage, t.device, self._path() if big else None)
+        if holder.path is not None:
+            holder.cover(t)
         args = (
-            path,
+            holder,
             t.dtype,
             tuple(t.shape),
+            t.stride(),
+            t.storage_offset(),
             t.requires_grad,
-            cuda,
             isinstance(t, torch.nn.Parameter),
+            dict(t.__dict__) or None,
         )
-        return _load_tensor, args
+        return _load_view, args
 
 
 def _numpy():
