@@ -256,7 +256,7 @@ def _rank_device() -> torch.device:
 
 
 class _Pickler(cloudpickle.CloudPickler):
-    def __init__(self, file, directory: str | None, min_bytes: int) -> None:
+    def __init__(self, file, directory: str | None = None, min_bytes: int = SHM_MIN_BYTES) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.directory = directory
         self.min_bytes = min_bytes
