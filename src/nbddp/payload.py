@@ -1,8 +1,11 @@
 """Objects to bytes and back, with big tensors through shared memory.
 
-``dumps`` is cloudpickle, except that each CPU tensor (or numpy array) of at
-least ``SHM_MIN_BYTES`` is written once to a file in a private tmpfs
-directory (``/dev/shm``) and pickled as a reference to it. ``loads`` maps
+``dumps`` is cloudpickle, except that tensors are pickled as views of their
+storage, each storage once, so tensors that shared one (``a`` and ``a[2:5]``)
+still share one when loaded, as with ``torch.save``; and each storage (or
+numpy array) of at least ``SHM_MIN_BYTES`` is written once to a file in a
+private tmpfs directory (``/dev/shm``) and pickled as a reference to it (only
+the bytes its tensors reach are written; the rest of the file is a hole). ``loads`` maps
 that file privately (``torch.from_file(shared=False)``): the receiver gets a
 tensor of its own (writes stay private, it outlives the file's unlinking)
 whose pages are shared with every other receiver until written. So one
