@@ -5,15 +5,18 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 from helpers import collect, free_port, wait_gone
 from nbddp import Pool, launch
+from nbddp.errors import CellFailed, PoolClosedError, PoolStartError
 from nbddp.pool import raise_for_end
 
 
@@ -189,17 +192,35 @@ def test_a_worker_without_its_token_file_fails_clearly(tmp_path):
     assert "No such file" in out.stderr
 
 
-def test_garbage_and_half_open_connections_do_not_disturb_the_pool(lone):
+class _AnHourNotFiveSeconds:
+    """The pool's ``struct``, except that the 5 s a peer gets to say its first words
+    becomes an hour: the half-open peer below is still waited for however long the
+    cells take (no clock decides the test)."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple] = []
+
+    def pack(self, fmt: str, *values):
+        self.asked.append(values)
+        return struct.pack(fmt, *((3600, 0) if values == (5, 0) else values))
+
+
+def test_garbage_and_half_open_connections_do_not_disturb_the_pool(lone, monkeypatch):
     pool, address, _ = lone
+    longer = _AnHourNotFiveSeconds()
+    monkeypatch.setattr("nbddp.pool.struct", longer)
     host, port = address.rsplit(":", 1)
     half_open = socket.create_connection((host, int(port)))  # says nothing
     garbage = socket.create_connection((host, int(port)))
     garbage.sendall(os.urandom(4096))
     try:
+        while len(longer.asked) < 2:  # both are being heard (pytest-timeout bounds the wait)
+            time.sleep(0.01)
+        assert longer.asked[:2] == [(5, 0)] * 2, f"the pool set {longer.asked}: mend this test"
         for _ in range(20):
             assert pool.execute("rank") == [0]
-        # the half-open peer is still being waited for, in a thread of its own (it is
-        # refused after 5 s of silence), so none of those cells waited on it
+        # the half-open peer is still being waited for, in a thread of its own, so none
+        # of those cells waited on it
         assert any(t.name == "nbddp-auth" and t.is_alive() for t in threading.enumerate())
     finally:
         half_open.close()
@@ -209,10 +230,10 @@ def test_garbage_and_half_open_connections_do_not_disturb_the_pool(lone):
 def test_a_dead_remote_rank_is_reported_as_a_lost_connection(lone):
     pool, _, proc = lone
     _, _, end = collect(pool.run("import os\nos._exit(5)"))
-    with pytest.raises(Exception, match=r"rank 0 died \(connection lost\)"):
+    with pytest.raises(CellFailed, match=r"rank 0 died \(connection lost\)"):
         raise_for_end(end)
     assert proc.wait(10) == 5
-    with pytest.raises(Exception, match="start torchrun again and attach again"):
+    with pytest.raises(PoolClosedError, match="start torchrun again and attach again"):
         list(pool.run("1"))
 
 
@@ -274,7 +295,7 @@ def test_a_wrong_world_size_is_refused(token_file, tmp_path):
     log = open(tmp_path / "w.log", "wb")  # noqa: SIM115
     proc = start(worker_cmd(address, token_file), log, lone_worker_env(world_size=2))
     try:
-        with pytest.raises(Exception, match="did not start"):
+        with pytest.raises(PoolStartError, match="did not start"):
             pool.start()
         assert any("this pool waits for 1 ranks" in r for r in pool.refused)
     finally:

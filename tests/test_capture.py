@@ -453,6 +453,70 @@ def test_sizes_of_tensors_modules_arrays_and_the_rest():
     assert size_of(looks_like_an_array) == len(payload.dumps(looks_like_an_array).data)
 
 
+class _Chunk:
+    """Pickles to a fresh 1 MB of bytes, made only when it is asked for."""
+
+    made = 0
+
+    def __reduce__(self):
+        _Chunk.made += 1
+        return bytes, (bytes(2**20),)
+
+
+def test_an_object_over_the_limit_is_refused_before_it_is_ever_pickled_whole():
+    import tracemalloc
+
+    chunks = [_Chunk() for _ in range(64)]  # 64 MB, if pickled whole
+    _Chunk.made = 0
+    tracemalloc.start()
+    try:
+        _, _, notes = select_auto("chunks", {"chunks": chunks}, frozenset(), [], limit=4 * 2**20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert _Chunk.made <= 5  # it stopped once past the limit
+    assert peak < 16 * 2**20  # never more than a few chunks in memory
+    assert notes == [
+        "chunks not shipped automatically: it pickles to more than the 4.0 MB limit "
+        "(name it with --need chunks)"
+    ]
+
+
+class _Zero:
+    """Pickles as the stand-in sizing leaves where a tensor or an array was."""
+
+    def __reduce__(self):
+        return int, ()
+
+
+def test_sizing_stops_just_past_the_limit_and_not_before():
+    things = [1, "two", 3.0]
+    exact = len(payload.dumps(things).data)
+    assert size_of(things, exact) == exact
+    assert size_of(things, exact - 1) is None
+    assert size_of(things, None) == exact
+
+
+def test_tensors_and_arrays_inside_objects_count_their_bytes_unpickled():
+    import numpy as np
+
+    frame = len(payload.dumps({"t": _Zero()}).data)
+    assert size_of({"t": torch.zeros(2**20)}) == 4 * 2**20 + frame
+    assert size_of({"t": np.zeros(2**20)}) == 8 * 2**20 + frame
+    assert size_of({"t": torch.zeros(2**20)}, 4 * 2**20) is None  # it counts toward the limit
+    assert size_of({"t": np.zeros(2**20)}, 8 * 2**20) is None
+    objects = np.array([None, "x"], dtype=object)  # its nbytes are pointers: pickled
+    assert size_of({"t": objects}) == len(payload.dumps({"t": objects}).data)
+
+
+def test_a_name_over_the_limit_by_its_own_size_says_the_size():
+    ns = {"t": torch.zeros(2**20)}
+    _, _, notes = select_auto("t", ns, frozenset(), [], limit=2**20)
+    assert notes == [
+        "t not shipped automatically: 4.0 MB is over the 1.0 MB limit (name it with --need t)"
+    ]
+
+
 def test_automatic_capture_goes_on_after_a_name_it_leaves_behind():
     ns = {
         "lock": threading.Lock(),

@@ -187,11 +187,27 @@ def test_a_rank_that_dies_behind_a_relay_ends_the_cell_and_the_others_are_stoppe
         pool.run("x = 1")
 
 
+def unix_sockets_at(path: str) -> int:
+    """Sockets bound to ``path``: its listener and one per connection made to it (Linux
+    lists a connection's server side, accepted or not, under the listener's path)."""
+    with open("/proc/net/unix") as f:
+        return sum(line.split()[-1] == path for line in f.readlines()[1:] if len(line.split()) == 8)
+
+
 def test_hosts_that_start_before_the_notebook_listens_wait_for_it():
     token = secrets.token_bytes(16)
     port = free_port()
-    sims = simranks.start(f"127.0.0.1:{port}", token, 8, 2, per_host=4, relay=True)
-    time.sleep(1.0)  # the relays and their ranks are up, the notebook not yet
+    address = f"127.0.0.1:{port}"
+    sims = simranks.start(address, token, 8, 2, per_host=4, relay=True)
+    sockets = [
+        relay.socket_path(address, token, {"GROUP_RANK": str(h), "MASTER_PORT": "sim"})
+        for h in (0, 1)
+    ]
+    # both relays are up and a rank of each host is connected to its relay (waiting for
+    # it to reach the notebook), the notebook not yet: pytest-timeout bounds the wait
+    while not all(unix_sockets_at(path) >= 2 for path in sockets):  # the listener, a rank
+        assert all(sim.poll() is None for sim in sims), "a simulated host ended early"
+        time.sleep(0.01)
     pool = Pool(8, listen=("127.0.0.1", port), token=token, start_timeout=60)
     try:
         pool.start()

@@ -41,10 +41,16 @@ class FakeRanks:
     def kinds(self) -> list[str]:
         return [a.kind for a in self.log]
 
-    def step_until(self, kind: str, dt: float = SAMPLE_FAST) -> None:
-        """Step the clock by ``dt`` until the supervisor has asked for ``kind``."""
-        while kind not in self.kinds():
+    def step_until(self, kind: str, dt: float = SAMPLE_FAST, steps: int = 100) -> None:
+        """Step the clock by ``dt`` until the supervisor has asked for ``kind``: at most
+        ``steps`` times, then fail saying what it asked for instead."""
+        for _ in range(steps):
+            if kind in self.kinds():
+                return
             self.step(dt)
+        assert kind in self.kinds(), (
+            f"no {kind!r} after {steps} steps of {dt} s (asked for: {self.kinds()})"
+        )
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])

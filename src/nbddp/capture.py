@@ -280,8 +280,13 @@ def import_statements(code: str) -> list[str]:
     ]
 
 
-def size_of(obj: object) -> int:
-    """Bytes ``obj`` would ship as (tensors, arrays and modules without pickling them)."""
+def size_of(obj: object, limit: int | None = None) -> int | None:
+    """Bytes ``obj`` would ship as (tensors, arrays and modules without pickling them).
+
+    Anything else is pickled into a counter, never into memory: tensors and
+    arrays inside it count their bytes and are not pickled. With ``limit``,
+    counting stops once past it, and the answer is None ("more than ``limit``").
+    """
     import sys
 
     torch = sys.modules.get("torch")
@@ -294,7 +299,54 @@ def size_of(obj: object) -> int:
     nbytes = getattr(obj, "nbytes", None)
     if isinstance(nbytes, int) and type(obj).__module__.startswith("numpy"):
         return nbytes
-    return len(payload.dumps(obj).data)
+    counter = _Counter(limit)
+    try:
+        _SizePickler(counter).dump(obj)
+    except _OverLimit:
+        return None
+    return counter.nbytes
+
+
+class _OverLimit(Exception):
+    pass
+
+
+class _Counter:
+    """A file that keeps only how many bytes were written to it, and refuses more
+    once they are over ``limit``."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.nbytes = 0
+        self.limit = limit
+
+    def add(self, nbytes: int) -> None:
+        self.nbytes += nbytes
+        if self.limit is not None and self.nbytes > self.limit:
+            raise _OverLimit
+
+    def write(self, data) -> None:  # the pickler never reads what write returns
+        self.add(memoryview(data).nbytes)
+
+
+class _SizePickler(payload._Pickler):
+    """Pickles as :func:`payload.dumps` does, except that a tensor or a numeric array
+    adds its bytes to the count and is pickled as a stand-in (``int()``)."""
+
+    def __init__(self, counter: _Counter) -> None:
+        super().__init__(counter)  # no folder: everything as if inline
+        self.counter = counter
+
+    def reducer_override(self, obj):
+        import sys
+
+        torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            self.counter.add(obj.nelement() * obj.element_size())
+            return int, ()
+        if np is not None and type(obj) is np.ndarray and not obj.dtype.hasobject:
+            self.counter.add(obj.nbytes)
+            return int, ()
+        return super().reducer_override(obj)
 
 
 def human(nbytes: float) -> str:
@@ -379,13 +431,14 @@ def select_auto(
         if already_sent(name, obj):
             continue
         try:
-            size = size_of(obj)
+            size = size_of(obj, limit)
         except Exception as exc:
             notes.append(f"{name} not shipped: cannot pickle it ({type(exc).__name__}: {exc})")
             continue
-        if size > limit:
+        if size is None or size > limit:
+            over = "it pickles to more than the" if size is None else f"{human(size)} is over the"
             notes.append(
-                f"{name} not shipped automatically: {human(size)} is over the "
+                f"{name} not shipped automatically: {over} "
                 f"{human(limit)} limit (name it with --need {name})"
             )
             continue

@@ -1,8 +1,11 @@
 """Objects to bytes and back, with big tensors through shared memory.
 
-``dumps`` is cloudpickle, except that each CPU tensor (or numpy array) of at
-least ``SHM_MIN_BYTES`` is written once to a file in a private tmpfs
-directory (``/dev/shm``) and pickled as a reference to it. ``loads`` maps
+``dumps`` is cloudpickle, except that tensors are pickled as views of their
+storage, each storage once, so tensors that shared one (``a`` and ``a[2:5]``)
+still share one when loaded, as with ``torch.save``; and each storage (or
+numpy array) of at least ``SHM_MIN_BYTES`` is written once to a file in a
+private tmpfs directory (``/dev/shm``) and pickled as a reference to it (only
+the bytes its tensors reach are written; the rest of the file is a hole). ``loads`` maps
 that file privately (``torch.from_file(shared=False)``): the receiver gets a
 tensor of its own (writes stay private, it outlives the file's unlinking)
 whose pages are shared with every other receiver until written. So one
@@ -16,11 +19,13 @@ Whoever calls ``dumps`` removes the files once every receiver has loaded.
 
 from __future__ import annotations
 
+import fcntl
 import io
 import itertools
 import os
 import pickle
 import secrets
+import shutil
 import tempfile
 
 import cloudpickle
@@ -35,12 +40,43 @@ _counter = itertools.count()
 def shm_dir() -> str:
     """A fresh private (0700) directory on tmpfs (or in the temp dir without /dev/shm).
 
-    Its name carries this process's pid, so the directories of processes that
-    died without cleaning up are removed here, by the next one.
+    This process holds a lock on it (``flock`` on the directory) for as long as
+    it lives, so the directories of processes that died without cleaning up are
+    removed here, by the next one, and no live one's ever is, even where
+    ``/dev/shm`` is shared with other PID namespaces (containers with
+    ``--ipc=host``), whose pids mean nothing here. Its name carries this
+    process's pid, for people reading ``ls``.
     """
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    _sweep(base or tempfile.gettempdir())
-    return tempfile.mkdtemp(prefix=f"nbddp-{os.getpid()}-", dir=base)
+    base = base or tempfile.gettempdir()
+    _release_removed()
+    _sweep(base)
+    # made and locked under a name the sweep never touches, then renamed: no one ever
+    # sees it unlocked under its own name
+    staging = tempfile.mkdtemp(prefix=".nbddp-new-", dir=base)
+    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path = os.path.join(base, f"nbddp-{os.getpid()}-{_LOCKED}{secrets.token_hex(8)}")
+        os.rename(staging, path)
+    except BaseException:
+        os.close(fd)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _held[path] = fd
+    return path
+
+
+_LOCKED = "L"  # starts the last part of a locked folder's name (mkdtemp's names are lowercase)
+_held: dict[str, int] = {}  # the folders this process made: their open, locked descriptors
+
+
+def _release_removed() -> None:
+    """Close the locks of folders made here and since removed (by whoever removed them)."""
+    for path, fd in list(_held.items()):
+        if os.fstat(fd).st_nlink == 0:
+            os.close(fd)
+            del _held[path]
 
 
 def private_dir(path: str) -> str:
@@ -61,19 +97,41 @@ def private_dir(path: str) -> str:
 
 
 def _sweep(base: str) -> None:
-    """Remove ``nbddp-PID-*`` directories whose process no longer exists."""
-    import shutil
+    """Remove the ``nbddp-PID-*`` directories no live process holds.
 
+    A folder made by :func:`shm_dir` is removed when its lock can be taken;
+    one of the older, unlocked kind (made by an earlier nbddp) when no process
+    has its pid here.
+    """
     for name in os.listdir(base):
-        parts = name.split("-")
+        parts = name.split("-", 2)
         if len(parts) < 3 or parts[0] != "nbddp" or not parts[1].isdigit():
+            continue
+        path = os.path.join(base, name)
+        if parts[2].startswith(_LOCKED):
+            _remove_if_unheld(path)
             continue
         try:
             os.kill(int(parts[1]), 0)
         except ProcessLookupError:
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
         except PermissionError:
             pass  # someone else's, and alive
+
+
+def _remove_if_unheld(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return  # gone, not a directory, or not ours to enter
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # its owner lives
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        os.close(fd)
 
 
 class Shipment:
@@ -105,23 +163,86 @@ def _write(path: str, tensor: torch.Tensor) -> None:
         os.close(fd)
 
 
-def _load_tensor(
-    path: str,
+def _load_storage_file(path: str, nbytes: int, to_device: bool) -> torch.UntypedStorage:
+    raw = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+    return (raw.to(_rank_device()) if to_device else raw).untyped_storage()
+
+
+def _load_storage_inline(data: bytearray, to_device: bool) -> torch.UntypedStorage:
+    raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return (raw.to(_rank_device()) if to_device else raw).untyped_storage()
+
+
+def _load_view(
+    storage: torch.UntypedStorage,
     dtype: torch.dtype,
     shape: tuple,
+    stride: tuple,
+    offset: int,
     requires_grad: bool,
-    to_device: bool,
     parameter: bool,
+    attrs: dict | None,
 ) -> torch.Tensor:
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    t = torch.from_file(path, shared=False, size=numel, dtype=dtype).reshape(shape)
-    if to_device:
-        t = t.to(_rank_device())
+    """One tensor on a storage that every view of it pickled alongside shares."""
+    t = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
     if parameter:
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
-    return t.requires_grad_(requires_grad) if requires_grad else t
+        t = torch.nn.Parameter(t, requires_grad=requires_grad)
+    elif requires_grad:
+        t.requires_grad_(True)
+    for name, value in (attrs or {}).items():
+        setattr(t, name, value)
+    return t
+
+
+class _Storage:
+    """A storage some tensors being pickled are views of: pickled once (the pickle's
+    memo), so the views come back as views of one storage, as ``torch.save`` keeps them.
+
+    With a file, only the bytes the views cover are written (the rest is a hole)."""
+
+    def __init__(self, storage: torch.UntypedStorage, device: torch.device, path: str | None):
+        self.storage, self.device, self.path = storage, device, path
+        self.written: list[tuple[int, int]] = []
+        if path is not None:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            try:
+                os.ftruncate(fd, storage.nbytes())
+            finally:
+                os.close(fd)
+
+    def _bytes(self, start: int, stop: int):
+        raw = torch.empty(0, dtype=torch.uint8, device=self.device)
+        raw.set_(self.storage, start, (stop - start,), (1,))
+        return memoryview(raw.cpu().numpy())
+
+    def cover(self, t: torch.Tensor) -> None:
+        """Write the bytes of the storage ``t`` can reach to the file (once)."""
+        if t.numel() == 0:
+            return
+        last = t.storage_offset() + sum(
+            (n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)
+        )
+        start, stop = t.storage_offset() * t.element_size(), (last + 1) * t.element_size()
+        if any(a <= start and stop <= b for a, b in self.written):
+            return
+        view = self._bytes(start, stop)
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done : done + (1 << 30)], start + done)
+        finally:
+            os.close(fd)
+        self.written.append((start, stop))
+
+    def reduce(self):
+        cuda = self.device.type == "cuda"
+        if self.path is not None:
+            return _load_storage_file, (self.path, self.storage.nbytes(), cuda)
+        return _load_storage_inline, (
+            pickle.PickleBuffer(self._bytes(0, self.storage.nbytes())),
+            cuda,
+        )
 
 
 def _load_array(path: str, dtype: str, shape: tuple):
@@ -138,11 +259,12 @@ def _rank_device() -> torch.device:
 
 
 class _Pickler(cloudpickle.CloudPickler):
-    def __init__(self, file, directory: str | None, min_bytes: int) -> None:
+    def __init__(self, file, directory: str | None = None, min_bytes: int = SHM_MIN_BYTES) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.directory = directory
         self.min_bytes = min_bytes
         self.files: list[str] = []
+        self.storages: dict[tuple, _Storage] = {}  # by device and address
 
     def _path(self) -> str:
         path = os.path.join(self.directory, f"{secrets.token_hex(8)}-{next(_counter)}")
@@ -156,9 +278,11 @@ class _Pickler(cloudpickle.CloudPickler):
                 f"cannot pickle an open file ({getattr(obj, 'name', type(obj).__name__)}): "
                 "open it on the ranks instead"
             )
+        if isinstance(obj, _Storage):
+            return obj.reduce()
+        if isinstance(obj, torch.Tensor) and self._fits(obj):
+            return self._reduce_tensor(obj)
         if self.directory is not None:
-            if isinstance(obj, torch.Tensor) and self._fits(obj):
-                return self._reduce_tensor(obj)
             np = _numpy()
             if np is not None and type(obj) is np.ndarray and self._fits_array(obj):
                 path = self._path()
@@ -167,13 +291,13 @@ class _Pickler(cloudpickle.CloudPickler):
         return super().reducer_override(obj)
 
     def _fits(self, t: torch.Tensor) -> bool:
-        plain = type(t) in (torch.Tensor, torch.nn.Parameter)
+        """A tensor made of its storage, dtype, shape, strides, offset, grad flag and
+        attributes (everything else, as torch pickles it)."""
         return (
-            plain
+            type(t) in (torch.Tensor, torch.nn.Parameter)
             and t.layout == torch.strided
             and t.device.type in ("cpu", "cuda")
-            and not t.is_quantized
-            and t.untyped_storage().nbytes() >= self.min_bytes
+            and not (t.is_quantized or t.is_nested or t.is_conj() or t.is_neg())
             and (t.is_leaf or not t.requires_grad)
         )
 
@@ -181,18 +305,25 @@ class _Pickler(cloudpickle.CloudPickler):
         return a.nbytes >= self.min_bytes and a.dtype.hasobject is False and a.dtype.kind in "biufc"
 
     def _reduce_tensor(self, t: torch.Tensor):
-        path = self._path()
-        cuda = t.device.type == "cuda"
-        _write(path, t.detach().cpu() if cuda else t)
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr(), storage.nbytes())
+        holder = self.storages.get(key)
+        if holder is None:
+            big = self.directory is not None and storage.nbytes() >= max(self.min_bytes, 1)
+            holder = self.storages[key] = _Storage(storage, t.device, self._path() if big else None)
+        if holder.path is not None:
+            holder.cover(t)
         args = (
-            path,
+            holder,
             t.dtype,
             tuple(t.shape),
+            t.stride(),
+            t.storage_offset(),
             t.requires_grad,
-            cuda,
             isinstance(t, torch.nn.Parameter),
+            dict(t.__dict__) or None,
         )
-        return _load_tensor, args
+        return _load_view, args
 
 
 def _numpy():
