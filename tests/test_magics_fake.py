@@ -57,8 +57,9 @@ def shell():
 def fake(shell):
     pool = FakePool()
     magics = _MAGICS[id(shell)]
-    magics.pool, magics.options, magics.import_log = pool, {}, []
-    magics._shipped = type(magics._shipped)()
+    magics.pool, magics.session.options = pool, {}
+    magics.capture.import_log.clear()
+    magics.capture.shipped = type(magics.capture.shipped)()
     yield pool
     magics.pool = None
 
@@ -150,7 +151,7 @@ def test_a_different_size_asks_for_a_new_pool(shell, fake, capsys, monkeypatch):
             super().__init__(n)
             made.append((n, options))
 
-    monkeypatch.setattr("nbddp.magics.Pool", Made)
+    monkeypatch.setattr("nbddp.session.Pool", Made)
     result, out = cell(shell, capsys, "-n 3")
     assert result.success
     assert fake.calls == [("stop", {})]  # the old pool was stopped
