@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import sys
 import time
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from . import capture, export, launch, profiling, stacks
+from . import attaching, capture, export, profiling, stacks
 from . import protocol as P
 from .autocapture import AutoCapture
 from .dashboard import Dashboard, TextSink
@@ -138,62 +136,11 @@ class DDPMagics(Magics):
         )
 
     def _attach(self, rest: str) -> None:
+        """Wait for ranks started by torchrun elsewhere to connect, then use them."""
         args = parse_argstring(ddp_attach, rest)
-        host, _, port = args.listen.rpartition(":")
-        if not host or not port.isdigit():
-            raise UsageError(f"--listen takes HOST:PORT, not {args.listen!r}")
-        token = launch.read_or_create_token(args.token_file)
+        where = attaching.prepare(args)
         self.session.stop()
-        pool = Pool(
-            args.world_size,
-            listen=(host, int(port)),
-            token=token,
-            start_timeout=args.timeout,
-            on_join=self._joined,
-        )
-        self._call_ranks(args, pool, host)
-        t0 = time.perf_counter()
-        try:
-            pool.start()
-        except (PoolStartError, KeyboardInterrupt) as exc:
-            pool.stop()
-            raise UsageError(f"attach ended: {exc or 'interrupted'}") from None
-        print()
-        hosts = sorted({s.host for s in pool.status()})
-        self.session.use(pool)
-        say(
-            f"attached {args.world_size} ranks on {len(hosts)} host"
-            f"{'s' * (len(hosts) > 1)} ({', '.join(hosts)}) in "
-            f"{time.perf_counter() - t0:.1f} s"
-        )
-
-    @staticmethod
-    def _call_ranks(args, pool: Pool, host: str) -> None:
-        """Listen, then submit the SLURM job or say the torchrun command that joins."""
-        address = pool.listen()
-        reachable = (
-            address
-            if host not in ("0.0.0.0", "::")
-            else f"{socket.getfqdn()}:{address.rsplit(':', 1)[1]}"
-        )
-        if not args.slurm:
-            say(
-                f"listening on {address}; on each node run:\n"
-                + launch.torchrun_command(reachable, args.token_file, args.world_size)
-            )
-            return
-        try:
-            script = launch.slurm_script(
-                args.slurm, args.world_size, reachable, args.token_file, python=sys.executable
-            )
-        except ValueError as exc:
-            pool.stop()
-            raise UsageError(str(exc)) from None
-        say(f"submitted SLURM job {launch.submit_slurm(script)}")
-
-    @staticmethod
-    def _joined(connected: int, world_size: int) -> None:
-        print(f"\rnbddp: {connected}/{world_size} ranks connected", end="", flush=True)
+        self.session.use(attaching.attach(args, *where))
 
     def _status(self, rest: str) -> None:
         """One row per rank: pid, host, device, state, uptime, memory."""
