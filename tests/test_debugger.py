@@ -105,7 +105,8 @@ def test_breakpoint_in_rank_1_of_3_takes_commands_from_the_input_box(kernel):  #
     code = "%%ddp --text\nif rank == 0:\n    breakpoint()\n    z = 1\nprint('end', rank)"
     s = run_with_input(kc, code, press_stop)
     assert s.prompts == ["(Pdb rank 0) "]
-    assert s.error is not None
+    assert s.error["ename"] == "CellInterrupted", s.error
+    assert "cell interrupted (KeyboardInterrupt)" in s.error["evalue"]
     r = execute(kc, "%%ddp --text\nprint('x is', x)")
     assert r.error is None, r.text
     assert "[rank 2] x is 20" in r.stdout

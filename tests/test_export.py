@@ -169,3 +169,46 @@ def test_ddp_export_writes_the_sessions_cells(tmp_path):
         assert sorted("".join(printed.split())) == ["0", "2", "4"]
     finally:
         shell.run_cell("%unload_ext nbddp")
+
+
+def test_the_cli_writes_over_no_file_without_force_and_never_over_a_notebook(tmp_path, capsys):
+    from nbddp.__main__ import main
+
+    notebook = tmp_path / "nb.ipynb"
+    notebook.write_text((ROOT / "notebooks/01-quickstart.ipynb").read_text())
+    saved = notebook.read_text()
+    target = tmp_path / "train.py"
+    target.write_text("# mine\n")
+    assert main(["export", str(notebook), "-o", str(target)]) == 1
+    assert "exists" in capsys.readouterr().err
+    assert target.read_text() == "# mine\n"
+    assert main(["export", str(notebook), "-o", str(target), "--force"]) == 0
+    assert "dist.init_process_group" in target.read_text()
+    for args in ([], ["--force"]):
+        assert main(["export", str(notebook), "-o", str(notebook), *args]) == 1
+        assert ".ipynb" in capsys.readouterr().err
+        assert notebook.read_text() == saved
+
+
+def test_ddp_export_writes_over_no_file_without_force_and_never_over_a_notebook(tmp_path):
+    from IPython.core.error import UsageError
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_cell("%load_ext nbddp", store_history=True)
+    try:
+        shell.history_manager.input_hist_raw.append("%%ddp -n 2\nprint(rank)")
+        target = tmp_path / "train.py"
+        target.write_text("# mine\n")
+        result = shell.run_cell(f"%ddp export {target}")
+        assert isinstance(result.error_in_exec, UsageError)
+        assert target.read_text() == "# mine\n"
+        assert shell.run_cell(f"%ddp export {target} --force").success
+        assert "print(rank)" in target.read_text()
+        notebook = tmp_path / "nb.ipynb"
+        for line in (f"%ddp export {notebook}", f"%ddp export {notebook} --force"):
+            result = shell.run_cell(line)
+            assert isinstance(result.error_in_exec, UsageError)
+            assert not notebook.exists()
+    finally:
+        shell.run_cell("%unload_ext nbddp")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import os
 import queue
+import re
 import signal
 import time
 
@@ -75,6 +76,16 @@ def execute(kc, code: str, timeout: float = 60, on_output=None) -> Reply:
             reply.error = content
         elif kind == "status" and content["execution_state"] == "idle":
             return reply
+
+
+def ready_ranks(stdout: str) -> set[int]:
+    """The ranks whose ``ready`` line was shown, folded (``[ranks 0-3] ready``) or not."""
+    shown: set[int] = set()
+    for label in re.findall(r"^\[ranks? ([\d, -]+)\] ready$", stdout, re.M):
+        for part in label.replace(" ", "").split(","):
+            lo, _, hi = part.partition("-")
+            shown.update(range(int(lo), int(hi or lo) + 1))
+    return shown
 
 
 def pool_pids(kc) -> list[int]:
@@ -209,11 +220,12 @@ def test_the_hang_cases_at_four_ranks_end_with_the_root_cause_and_keep_state(ker
     ]
     assert "nbddp-row nbddp-failed' data-rank='2'" in r.displays[-1]["text/html"]
 
-    # one rank sleeps, the others wait in all_reduce; the stop button
+    # one rank sleeps, the others wait in all_reduce; the stop button once every rank said
+    # it got there (what follows "ready" is one call: the interrupt's round trip through the
+    # kernel and the pool is far longer than the step into all_reduce)
     def stop_when_all_ready(reply):
-        if "[ranks 0-3] ready" in reply.stdout and not km_interrupted:
+        if ready_ranks(reply.stdout) == {0, 1, 2, 3} and not km_interrupted:
             km_interrupted.append(1)
-            time.sleep(0.3)
             km.interrupt_kernel()
 
     km_interrupted: list[int] = []

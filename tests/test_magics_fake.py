@@ -3,10 +3,13 @@ and the choice of display, in milliseconds, no process started."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
-from nbddp import payload
+from nbddp import PoolClosedError, PoolStartError, payload
 from nbddp import protocol as P
 from nbddp.magics import _MAGICS, TICK
 
@@ -54,8 +57,9 @@ def shell():
 def fake(shell):
     pool = FakePool()
     magics = _MAGICS[id(shell)]
-    magics.pool, magics.options, magics.import_log = pool, {}, []
-    magics._shipped = type(magics._shipped)()
+    magics.pool, magics.session.options = pool, {}
+    magics.capture.import_log.clear()
+    magics.capture.shipped = type(magics.capture.shipped)()
     yield pool
     magics.pool = None
 
@@ -134,7 +138,8 @@ def test_a_shell_without_a_kernel_gets_folded_text_and_no_fold_shows_each(shell,
 
 def test_quiet_shows_nothing_when_every_rank_succeeds(shell, fake, capsys):
     fake.printed = "chatty\n"
-    _, out = cell(shell, capsys, "--quiet")
+    result, out = cell(shell, capsys, "--quiet")
+    assert result.success, out
     assert "chatty" not in out
 
 
@@ -146,9 +151,118 @@ def test_a_different_size_asks_for_a_new_pool(shell, fake, capsys, monkeypatch):
             super().__init__(n)
             made.append((n, options))
 
-    monkeypatch.setattr("nbddp.magics.Pool", Made)
+    monkeypatch.setattr("nbddp.session.Pool", Made)
     result, out = cell(shell, capsys, "-n 3")
     assert result.success
     assert fake.calls == [("stop", {})]  # the old pool was stopped
     assert made == [(3, {})]
-    assert "restarting the pool with 3 ranks" in out
+    assert "restarting the pool with 3 ranks: every rank's state is lost" in out
+
+
+# ---------------------------------------------------------------- defects, each one line
+
+
+class Broken(FakePool):
+    """A pool whose cell breaks down half way: ``run`` prints, then raises ``error``."""
+
+    def __init__(self, error: BaseException, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.error = error
+
+    def run(self, code: str, **kwargs):
+        self.calls.append((code, kwargs))
+        yield from (P.Output(r, "stdout", "partial\n") for r in range(self.world_size))
+        raise self.error
+
+
+def test_a_cell_that_breaks_down_still_shows_what_the_ranks_printed(shell, capsys):
+    magics = _MAGICS[id(shell)]
+    magics.pool = Broken(RuntimeError("the connection broke"))
+    try:
+        result, out = cell(shell, capsys, "--text")
+    finally:
+        magics.pool = None
+    assert isinstance(result.error_in_exec, RuntimeError)
+    # the sink was closed: the line it held back (to fold it with the others') came out
+    assert "[rank 1] partial" in out or "[ranks 0-1] partial" in out
+
+
+class Unstartable(FakePool):
+    """A pool that cannot run: every call that needs ranks raises ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    def run(self, code: str, **kwargs):
+        raise self.error
+
+    def run_script(self, path, argv=(), **kwargs):
+        raise self.error
+
+    def restart(self):
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        PoolStartError("rank 0 failed to start: no memory"),
+        PoolClosedError("the attached pool lost a rank: start torchrun again and attach again"),
+    ],
+    ids=["start", "closed"],
+)
+@pytest.mark.parametrize(
+    "line",
+    [
+        "%%ddp\nprint(rank)",
+        "%ddp restart",
+        "%ddp push pushed",
+        "%ddp pull x",
+        "%ddp run {script}",
+        "%ddp debug --rank 0",
+    ],
+)
+def test_a_pool_that_cannot_run_is_said_in_one_line(shell, capsys, tmp_path, error, line):
+    script = tmp_path / "train.py"
+    script.write_text("print(1)\n")
+    shell.user_ns["pushed"] = 1
+    magics = _MAGICS[id(shell)]
+    magics.pool = Unstartable(error)
+    try:
+        capsys.readouterr()
+        result = shell.run_cell(line.format(script=script))
+        out = "".join(capsys.readouterr())
+    finally:
+        magics.pool = None
+    assert isinstance(result.error_in_exec, UsageError), out
+    assert str(error) in out
+    assert "Traceback" not in out
+
+
+def test_push_to_a_rank_that_does_not_exist_writes_nothing(shell, fake, capsys, tmp_path):
+    fake.shm_folder = str(tmp_path)
+    shell.run_cell("import torch\nbig = torch.zeros(2**20)")  # 4 MB: through shared memory
+    capsys.readouterr()
+    result = shell.run_cell("%ddp push big --ranks 9")
+    out = "".join(capsys.readouterr())
+    assert not result.success
+    assert "no rank 9" in out
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_new_size_on_an_attached_pool_is_refused_and_stops_nothing(shell, fake, capsys):
+    fake.attached = True
+    result, out = cell(shell, capsys, "-n 3")
+    assert isinstance(result.error_in_exec, UsageError)
+    assert "attached" in out
+    assert fake.calls == []  # not stopped, nothing ran
+
+
+def test_tee_without_a_log_directory_is_refused(shell, fake, capsys):
+    capsys.readouterr()
+    result = shell.run_cell("%ddp start -n 2 --tee 0")
+    out = "".join(capsys.readouterr())
+    assert isinstance(result.error_in_exec, UsageError)
+    assert "--tee needs --log-dir" in out
+    assert fake.calls == []  # the running pool was left as it was

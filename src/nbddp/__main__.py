@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .export import export_notebook
+from .export import check_target, export_notebook
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,8 +15,12 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("notebook", help="the .ipynb file")
     ex.add_argument("-o", "--output", required=True, help="the script to write")
     ex.add_argument("-n", type=int, help="--nproc-per-node (default: the notebook's -n)")
+    ex.add_argument(
+        "--force", action="store_true", help="write over an existing file (never a .ipynb)"
+    )
     args = parser.parse_args(argv)
     try:
+        check_target(args.output, force=args.force)
         result = export_notebook(args.notebook, args.n, target=args.output)
     except (OSError, ValueError) as exc:
         print(f"nbddp export: {exc}", file=sys.stderr)

@@ -13,7 +13,9 @@ import sys
 from . import capture
 from . import protocol as P
 from .dashboard import TextSink
-from .pool import Pool, default_pool, raise_for_end, set_default_pool
+from .drive import drive
+from .pool import raise_for_end
+from .session import SESSION
 
 __all__ = ["in_torchddp", "ranch"]
 
@@ -27,22 +29,6 @@ try:
 finally:
     del __nbddp_fn, __nbddp_args, __nbddp_kwargs, __nbddp_ctx
 __nbddp_out"""
-
-
-def _pool_of(nprocs: int) -> Pool:
-    """The shared pool, started or resized to ``nprocs`` ranks."""
-    pool = default_pool()
-    if pool is not None and pool.world_size != nprocs:
-        if pool.started:
-            print(f"nbddp: restarting the pool with {nprocs} rank{'s' * (nprocs > 1)}")
-        pool.stop()
-        pool = None
-    if pool is None:
-        pool = Pool(nprocs)
-        set_default_pool(pool)
-    if not pool.started and not pool.needs_restart:
-        pool.start()
-    return pool
 
 
 def ranch(
@@ -71,20 +57,18 @@ def ranch(
     objects = capture.collect(capture.split_names(need), caller)
     objects.update(__nbddp_fn=fn, __nbddp_args=args, __nbddp_kwargs=kwargs, __nbddp_ctx=ctx)
     imports = capture.check_imports(imports)
-    pool = _pool_of(nprocs)
+    pool = SESSION.want_pool(nprocs)  # the magics' pool, started or resized
     needs = capture.pack(objects, pool.shm_folder)
-    sink, end = TextSink(), None
-    for event in pool.run(CALL, needs=needs, imports=imports, want_values=True):
-        if isinstance(event, P.CellEnd):
-            end = event
-        elif isinstance(event, P.RankDebug):  # no input box here: close, never wait
-            pool.debug_reply(event, None)
-        elif not isinstance(event, P.RankResult):
-            sink.handle(event)
-    sink.close(end)
+    events = pool.run(CALL, needs=needs, imports=imports, want_values=True)
+    # no prompt: a rank's pdb is closed at once, never waited for (no input box here)
+    end = drive(pool, events, TextSink(), shown=_not_a_value)
     raise_for_end(end, pool.hosts)
     values = [end.values.get(r) for r in range(nprocs)]
     return values if gather else values[caller_rank]
+
+
+def _not_a_value(event: object) -> bool:
+    return not isinstance(event, P.RankResult)  # (the values are returned, not printed)
 
 
 def in_torchddp(nprocs: int, fn, *args, **kwargs):

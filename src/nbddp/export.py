@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import shlex
 import symtable
@@ -29,9 +30,10 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .capture import names_read
+from .capture import names_read, parse_ranks
+from .options import ddp_cell
 
-__all__ = ["Exported", "export", "export_notebook", "globals_read"]
+__all__ = ["Exported", "check_target", "export", "export_notebook", "globals_read"]
 
 # names every rank has without the notebook (nbddp binds them; torch is imported below)
 RANK_NAMES = {"rank", "local_rank", "world_size", "device", "torch", "display", "group", "mesh"}
@@ -114,8 +116,6 @@ def _notebook_cell(code: str, index: int, defs: dict, imports: list[str]) -> lis
 
 
 def _ddp_options(line: str):
-    from .magics import ddp_cell
-
     return ddp_cell.parser.parse_args(shlex.split(line))
 
 
@@ -167,8 +167,6 @@ def export(
         on_ranks |= {n for n in _bound(code)}
         body.append(f"# ---- cell {index}: {first.strip()}")
         if opts.ranks:
-            from .capture import parse_ranks
-
             chosen = tuple(parse_ranks(opts.ranks))
             code = f"if rank in {chosen}:\n" + textwrap.indent(code or "pass", "    ")
         body.append(code.rstrip())
@@ -210,6 +208,15 @@ def _assemble(source, target, nproc, imports, needed: list[_Def], body: list[str
         )
     parts.append("\n".join(body) + "\n\ndist.destroy_process_group()\n")
     return Exported("\n\n".join(parts), nproc, notes)
+
+
+def check_target(path: str | Path, force: bool = False) -> None:
+    """Refuse (ValueError) to write the script over a notebook, ever, or over an existing
+    file without ``force``."""
+    if Path(path).suffix.lower() == ".ipynb":
+        raise ValueError(f"{path} is a notebook: the script is never written over a .ipynb")
+    if os.path.lexists(path) and not force:
+        raise ValueError(f"{path} exists: --force writes over it")
 
 
 def export_notebook(

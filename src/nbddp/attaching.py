@@ -1,0 +1,82 @@
+"""``%ddp attach``: a pool of ranks started elsewhere (torchrun, SLURM) that connect in.
+
+Listen, say the torchrun command (or submit the SLURM job), wait for every rank.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+
+from IPython.core.error import UsageError
+
+from . import launch
+from .errors import PoolStartError
+from .pool import Pool
+from .session import say
+
+__all__ = ["attach", "prepare"]
+
+
+def prepare(args) -> tuple[str, int, bytes]:
+    """What ``%ddp attach`` (``args``: its parsed options) listens on and with which
+    token: checked before the running pool is let go."""
+    host, _, port = args.listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"--listen takes HOST:PORT, not {args.listen!r}")
+    return host, int(port), launch.read_or_create_token(args.token_file)
+
+
+def attach(args, host: str, port: int, token: bytes) -> Pool:
+    """The pool ``%ddp attach`` asked for, once every rank is in (see :func:`prepare`)."""
+    pool = Pool(
+        args.world_size,
+        listen=(host, port),
+        token=token,
+        start_timeout=args.timeout,
+        on_join=_joined,
+    )
+    _call_ranks(args, pool, host)
+    t0 = time.perf_counter()
+    try:
+        pool.start()
+    except (PoolStartError, KeyboardInterrupt) as exc:
+        pool.stop()
+        raise UsageError(f"attach ended: {exc or 'interrupted'}") from None
+    print()
+    hosts = sorted({s.host for s in pool.status()})
+    say(
+        f"attached {args.world_size} ranks on {len(hosts)} host"
+        f"{'s' * (len(hosts) > 1)} ({', '.join(hosts)}) in "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
+    return pool
+
+
+def _call_ranks(args, pool: Pool, host: str) -> None:
+    """Listen, then submit the SLURM job or say the torchrun command that joins."""
+    address = pool.listen()
+    reachable = (
+        address
+        if host not in ("0.0.0.0", "::")
+        else f"{socket.getfqdn()}:{address.rsplit(':', 1)[1]}"
+    )
+    if not args.slurm:
+        say(
+            f"listening on {address}; on each node run:\n"
+            + launch.torchrun_command(reachable, args.token_file, args.world_size)
+        )
+        return
+    try:
+        script = launch.slurm_script(
+            args.slurm, args.world_size, reachable, args.token_file, python=sys.executable
+        )
+    except ValueError as exc:
+        pool.stop()
+        raise UsageError(str(exc)) from None
+    say(f"submitted SLURM job {launch.submit_slurm(script)}")
+
+
+def _joined(connected: int, world_size: int) -> None:
+    print(f"\rnbddp: {connected}/{world_size} ranks connected", end="", flush=True)

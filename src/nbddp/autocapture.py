@@ -1,0 +1,73 @@
+"""Automatic capture for ``%%ddp``: the names a cell reads that only the notebook has,
+and the notebook's imports, replayed on the ranks (``--no-auto`` turns it off).
+
+The notebook's side of it: what the notebook imported (from its run cells), what was
+shipped to which generation of the pool; :mod:`nbddp.capture` does the reading.
+"""
+
+from __future__ import annotations
+
+from . import capture
+from .errors import CaptureError
+from .session import say
+
+__all__ = ["AutoCapture"]
+
+
+class AutoCapture:
+    """The state automatic capture keeps across a notebook's cells."""
+
+    def __init__(self, shell) -> None:
+        self.shell = shell
+        self.on = True
+        self.limit = 100 * 2**20  # the largest object shipped without --need
+        self.import_log: list[str] = []  # the notebook's import statements, in order
+        self.shipped = capture.Shipped()
+        self._replayed = (-1, 0)  # (pool generation, imports replayed to all its ranks)
+
+    def record_imports(self, result) -> None:
+        """After each notebook cell (IPython's post_run_cell): the imports it ran."""
+        raw = getattr(getattr(result, "info", None), "raw_cell", None) or ""
+        if result.error_in_exec is not None or result.error_before_exec is not None:
+            return
+        if raw.lstrip().startswith("%%"):  # %%ddp cells (and other cell magics) are not ours
+            return
+        for stmt in capture.import_statements(self.shell.transform_cell(raw)):
+            if stmt not in self.import_log:
+                self.import_log.append(stmt)
+
+    def ship(self, pool, cell: str, ranks, explicit, imports: str):
+        """Names ``cell`` reads that only the notebook has (a shipment), and the imports to
+        run first (the notebook's not yet replayed, then ``imports``); said in one line."""
+        objects, sizes, notes, auto = self._select(pool, cell, ranks, explicit)
+        generation, done = self._replayed
+        replay = self.import_log[done if generation == pool.generation else 0 :]
+        if ranks is None:
+            self._replayed = (pool.generation, len(self.import_log))
+        said = [f"{n} ({capture.human(sizes[n])})" for n in objects]
+        if replay:
+            said.append(f"replayed {len(replay)} import{'s' * (len(replay) > 1)}")
+        if said:
+            say("shipped " + ", ".join(said) if objects else ", ".join(said))
+        for note in notes:
+            say(note)
+        return auto, "\n".join([*replay, imports] if imports else replay)
+
+    def _select(self, pool, cell: str, ranks, explicit):
+        """(objects, their sizes, notes, the packed shipment) for ``cell``."""
+        try:
+            objects, sizes, notes = capture.select_auto(
+                self.shell.transform_cell(cell),  # what the ranks compile: magics made calls
+                self.shell.user_ns,
+                pool.names_on(ranks),
+                explicit,
+                self.limit,
+                capture.names_imported(self.import_log),
+                lambda name, obj: self.shipped.unchanged(pool.generation, name, obj),
+            )
+            auto = capture.pack(objects, pool.shm_folder)
+        except CaptureError as exc:
+            return {}, {}, [str(exc)], None
+        for name, obj in objects.items():
+            self.shipped.sent(name, obj)
+        return objects, sizes, notes, auto
