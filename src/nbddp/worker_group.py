@@ -2,7 +2,9 @@
 
 :class:`GroupKeeper` forms the default group through the notebook (rank 0 opens
 the store and says its port; the others are told it), forms it again on a
-re-form under a new prefix of the same store, and aborts it. The sockets a group opens
+re-form under a new prefix of the same store, and aborts it. Two threads may
+abort at once (the receiver on ``AbortGroup``, the main thread at a cell's end
+or a re-form): a lock makes the group aborted once. The sockets a group opens
 are remembered, so a collective blocked on them can be freed from the receiver
 thread (:meth:`GroupKeeper.free_blocked`).
 """
@@ -14,6 +16,7 @@ import os
 import queue
 import socket
 import stat
+import threading
 import traceback
 from collections.abc import Callable
 
@@ -108,6 +111,7 @@ class GroupKeeper:
         self.backend = ""
         self.device = "cpu"
         self.namespace: dict = {}  # the rank's namespace: a re-form rebinds group and mesh
+        self._abort_lock = threading.Lock()  # one abort at a time: the second finds it done
 
     def join(self, fresh: bool = False, generation: int | None = None) -> DDPContext:
         """Join the default group; ``fresh``: on a new store even under torchrun.
@@ -134,13 +138,15 @@ class GroupKeeper:
         self.join(fresh=True, generation=generation)
 
     def abort(self) -> None:
-        """Abort the default group: peers blocked in a collective with this rank are freed."""
-        try:
-            if dist.is_initialized():
-                abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-                abort() if abort is not None else dist.destroy_process_group()
-        except Exception:
-            traceback.print_exc()
+        """Abort the default group, once however many threads ask at the same time:
+        peers blocked in a collective with this rank are freed."""
+        with self._abort_lock:
+            try:
+                if dist.is_initialized():
+                    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+                    abort() if abort is not None else dist.destroy_process_group()
+            except Exception:
+                traceback.print_exc()
 
     def free_blocked(self) -> None:
         """Free the main thread from a collective, from the receiver thread.
