@@ -90,6 +90,7 @@ class CellRunner:
         self.rank, self.send, self.group = rank, send, group
         self.relayed = relayed  # behind this host's relay (nbddp.relay): no end markers
         self.running = False
+        self.in_code = False  # the user's code runs: only then does SIGINT interrupt
         self.cell: int | None = None  # the cell the main thread runs
         self.interrupts = CellInterrupts()
         self.abort_cell: int | None = None  # the group was aborted during this cell
@@ -100,6 +101,7 @@ class CellRunner:
         self.failed: types.TracebackType | None = None  # where the last failed cell raised
         self.failed_oom = False  # ... and it ran out of memory (its frames were let go)
         self.namespace: dict = {}
+        self.signal_main: Callable[[], None] = _sigint_self  # raises KeyboardInterrupt there
 
     def make_namespace(self, ctx: DDPContext) -> None:
         """The rank's persistent namespace: it is ``__main__``, so pickle finds cell classes."""
@@ -120,12 +122,18 @@ class CellRunner:
     # -- from the receiver thread
 
     def on_sigint(self, _signum: int, _frame: object) -> None:
-        if self.running:
+        """Interrupt the user's code, never the rank's own work around it (the error being
+        formatted, Done being sent): a KeyboardInterrupt there would end the rank."""
+        if self.in_code:
             raise KeyboardInterrupt
 
     def on_interrupt(self, msg: P.Interrupt) -> None:
+        """Interrupt the cell running now; first say where it was, as the interrupt came:
+        a rank that holds the others up (in ``time.sleep``, say) answers SIGINT at once,
+        and its place would be gone by the time the notebook asked."""
         if self.interrupts.request(msg.cell):
-            os.kill(os.getpid(), signal.SIGINT)
+            self.send(P.Stacks(S.main_thread_frames(self.main_ident), msg.cell))
+            self.signal_main()
 
     def on_stack_query(self, _msg: P.StackQuery) -> None:
         frames = S.main_thread_frames(self.main_ident) if self.running else ()
@@ -153,6 +161,14 @@ class CellRunner:
         finally:
             self.running = False
             self.interrupts.end(msg.cell)
+        try:
+            self._finish(msg, out)
+        except KeyboardInterrupt:  # raised by the user's own code, a __repr__ say: Done still
+            self._end_streams(msg.cell)  # (a second end marker for a cell is ignored)
+            self.send(P.Done(msg.cell, "interrupted", names=self.changed_names()))
+
+    def _finish(self, msg: P.Run, out: _Outcome) -> None:
+        """After the cell's code: abort if asked to, show its value, flush, send Done."""
         freed = self.abort_cell == msg.cell
         if freed:  # freed from a collective, or done meanwhile:
             self.group.abort()  # close this rank's side too, so peers it talks to are freed
@@ -166,7 +182,11 @@ class CellRunner:
     def _execute(self, msg: P.Run) -> _Outcome:
         out = _Outcome()
         try:
-            out.value, out.profile = self._body(msg)
+            self.in_code = True
+            try:
+                out.value, out.profile = self._body(msg)
+            finally:
+                self.in_code = False
         except KeyboardInterrupt:
             out.status = "interrupted"
         except BaseException as exc:  # SystemExit too: as in IPython, the process stays
@@ -285,6 +305,10 @@ class CellRunner:
         marker = P.end_marker(cell)
         os.write(1, marker)
         os.write(2, marker)
+
+
+def _sigint_self() -> None:
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def _unpicklable(value: object, exc: Exception) -> P.ErrorInfo:
