@@ -30,6 +30,7 @@ import signal
 import socket
 import sys
 import threading
+import traceback
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection
 
@@ -82,7 +83,16 @@ class Worker:
         while True:
             msg = self.control.inbox.get()
             if type(msg) in work:
-                work[type(msg)](msg)
+                self._survive_interrupts(work[type(msg)], msg)
+
+    @staticmethod
+    def _survive_interrupts(handle, msg: object) -> None:
+        """SIGINT interrupts only the user's code (:meth:`CellRunner.on_sigint`); should a
+        KeyboardInterrupt get out anyway, the rank goes on: it would die with its state."""
+        try:
+            handle(msg)
+        except KeyboardInterrupt:
+            traceback.print_exc()
 
     def _start(self) -> None:
         """Everything before the group: threads, shims, handlers, the handshake, streams."""
