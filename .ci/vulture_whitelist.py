@@ -26,6 +26,7 @@ _._push
 _._pull
 _._export
 _._debug
+_._run
 # matplotlib's backend protocol (MPLBACKEND=module://nbddp.mpl_backend)
 FigureCanvas
 FigureManager

@@ -294,9 +294,9 @@ def test_ranks_an_abort_cannot_free_are_stopped_after_grace_not_left_hanging():
     n, bad = 4, 2
     with Pool(n, grace=1.0) as pool:
         pool.execute(
-            "import torch.distributed as dist, nbddp.worker as W\n"
-            "W.shut_down_sockets = lambda sockets, keep: 0\n"
-            "W.Worker._abort_group = lambda self: None"
+            "import torch.distributed as dist, nbddp.worker_group as G\n"
+            "G.shut_down_sockets = lambda sockets, keep: 0\n"
+            "G.GroupKeeper.abort = lambda self: None"
         )
         code = HEAD + f"if rank == {bad}:\n    raise ValueError('x')\ndist.all_reduce(t)"
         _, _, end = collect(pool.run(code))  # without the last resort: a hang

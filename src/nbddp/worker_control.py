@@ -1,0 +1,137 @@
+"""A rank's control channel to the notebook (or to its host's relay).
+
+:class:`Control` sends messages under a lock (any thread) and runs the receiver
+thread: each incoming message goes to the handler registered for its type,
+called on the receiver thread; a message with no handler is queued for the main
+thread (:attr:`Control.inbox`). When the notebook is gone, the rank ends.
+The rank's stdout and stderr are connections of their own (:func:`connect_streams`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection
+
+from . import protocol as P
+
+__all__ = ["Control", "connect", "connect_streams", "flush_streams", "parse_address"]
+
+Handler = Callable[[object], None]
+_libc = ctypes.CDLL(None)
+
+
+def parse_address(address: str) -> tuple[str | tuple[str, int], str]:
+    """``/path/sock`` or ``unix:/path`` -> AF_UNIX; ``host:port`` -> AF_INET."""
+    if address.startswith("unix:"):
+        return address[5:], "AF_UNIX"
+    if "/" in address:
+        return address, "AF_UNIX"
+    host, _, port = address.rpartition(":")
+    return (host or "127.0.0.1", int(port)), "AF_INET"
+
+
+def connect(address: str, token: bytes, timeout: float = 60.0) -> Connection:
+    """Connect and authenticate, retrying until the listener is up or ``timeout`` passes."""
+    addr, family = parse_address(address)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return Client(addr, family, authkey=token)
+        except (ConnectionRefusedError, FileNotFoundError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+class Control:
+    """The control connection: :meth:`send` from any thread, handlers on the receiver's."""
+
+    def __init__(self, conn: Connection, exit: Callable[[int], None]) -> None:
+        self.conn = conn
+        self.inbox: queue.Queue = queue.Queue()  # messages for the main thread
+        self._exit = exit  # ends the process (the notebook went away)
+        self._send_lock = threading.Lock()
+        self._handlers: dict[type, Handler] = {}
+
+    def send(self, msg: object) -> None:
+        data = P.dumps(msg)
+        with self._send_lock:
+            self.conn.send_bytes(data)
+
+    def handle(self, handlers: dict[type, Handler]) -> None:
+        """Handle these message types on the receiver thread (the rest go to the inbox)."""
+        self._handlers.update(handlers)
+
+    def start(self) -> None:
+        threading.Thread(target=self._receive_loop, name="nbddp-receiver", daemon=True).start()
+
+    def _receive_loop(self) -> None:
+        try:
+            while True:
+                self.dispatch(self._receive())
+        except BaseException:
+            traceback.print_exc()
+            self._exit(1)
+
+    def _receive(self) -> object:
+        try:
+            return P.loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            self._exit(1)  # the notebook went away
+            raise
+
+    def dispatch(self, msg: object) -> None:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self.inbox.put(msg)
+        else:
+            handler(msg)
+
+
+class _LineWriter(io.TextIOWrapper):
+    """stdout/stderr over a raw fd: flushed at every newline and every explicit flush."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        raw = io.FileIO(fd, "w", closefd=False)
+        super().__init__(
+            io.BufferedWriter(raw),
+            encoding="utf-8",
+            errors="backslashreplace",
+            line_buffering=True,
+        )
+        self.mode = "w"
+        self._name = name
+
+    @property
+    def name(self) -> str:  # what print(sys.stdout) and loggers show
+        return self._name
+
+
+def connect_streams(address: str, token: bytes, rank: int) -> None:
+    """Make fds 1 and 2 connections to the notebook: C and C++ output reaches it too."""
+    for fd, stream in ((1, "stdout"), (2, "stderr")):
+        conn = connect(address, token, timeout=10)
+        conn.send_bytes(P.dumps(P.StreamHello(rank, os.getpid(), stream)))
+        sys.stdout.flush() if fd == 1 else sys.stderr.flush()
+        os.dup2(conn.fileno(), fd)
+        conn.close()
+    sys.stdout = _LineWriter(1, "<stdout>")
+    sys.stderr = _LineWriter(2, "<stderr>")
+
+
+def flush_streams() -> None:
+    """Flush Python's and C's buffers of stdout and stderr."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    _libc.fflush(None)

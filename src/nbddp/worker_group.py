@@ -1,0 +1,221 @@
+"""A rank's process group: join, form again, abort, and free a blocked collective.
+
+:class:`GroupKeeper` forms the default group through the notebook (rank 0 opens
+the store and says its port; the others are told it), forms it again on a
+re-form under a new prefix of the same store, and aborts it. Two threads may
+abort at once (the receiver on ``AbortGroup``, the main thread at a cell's end
+or a re-form): a lock makes the group aborted once. The sockets a group opens
+are remembered, so a collective blocked on them can be freed from the receiver
+thread (:meth:`GroupKeeper.free_blocked`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import stat
+import threading
+import traceback
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from . import protocol as P
+from .ddp import DDPContext, default_backend
+
+__all__ = ["GroupKeeper", "layout", "open_sockets", "shut_down_sockets"]
+
+
+def open_sockets() -> dict[int, int]:
+    """This process's socket fds, with their inodes."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError, ValueError):
+            st = os.fstat(int(name))
+            if stat.S_ISSOCK(st.st_mode):
+                found[int(name)] = st.st_ino
+    return found
+
+
+def shut_down_sockets(sockets: dict[int, int], keep_port: int | None) -> int:
+    """Shut down the connected sockets among ``sockets`` (fd -> inode) that are still those
+    sockets; a collective blocked on one of them returns at once with an error.
+
+    Connections to or from ``keep_port`` (the store) are left alone. Returns how many.
+    """
+    count = 0
+    for fd, inode in sockets.items():
+        try:
+            if os.fstat(fd).st_ino != inode:
+                continue  # closed since, and the number reused
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        with sock:
+            count += _shut_down(sock, keep_port)
+    return count
+
+
+def _shut_down(sock: socket.socket, keep_port: int | None) -> int:
+    try:
+        ports = {sock.getsockname()[1], sock.getpeername()[1]}
+    except (OSError, IndexError, TypeError):
+        return 0  # a listener, or not an internet socket
+    if keep_port in ports:
+        return 0
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        return 0
+    return 1
+
+
+def layout(ctx: DDPContext) -> dict:
+    """``group`` and ``mesh`` for the namespace, when the pool was started with them."""
+    bound = {}
+    if ctx.group_spec:
+        bound["group"] = ctx.group
+    if ctx.mesh_spec:
+        bound["mesh"] = ctx.mesh
+    return bound
+
+
+def _default_store() -> dist.Store | None:
+    """The store the default group was formed on (torch keeps it; no public accessor)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def _store_port() -> int | None:
+    port = os.environ.get("MASTER_PORT", "")
+    return int(port) if port.isdigit() else None
+
+
+class GroupKeeper:
+    """The default process group of one rank, and the sockets it opened."""
+
+    def __init__(
+        self, rank: int, world_size: int, send: Callable[[object], None], inbox: queue.Queue
+    ) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.needs_port = "MASTER_PORT" not in os.environ
+        self._send, self._inbox = send, inbox
+        self.sockets: dict[int, int] = {}  # the default group's sockets: fd -> inode
+        self.joining = False  # nbddp itself is forming the group (the shims step aside)
+        self.base_store: dist.Store | None = None  # the first group's store, kept for re-forms
+        self.ctx: DDPContext | None = None
+        self.backend = ""
+        self.device = "cpu"
+        self.namespace: dict = {}  # the rank's namespace: a re-form rebinds group and mesh
+        self._abort_lock = threading.Lock()  # one abort at a time: the second finds it done
+
+    def join(self, fresh: bool = False, generation: int | None = None) -> DDPContext:
+        """Join the default group; ``fresh``: on a new store even under torchrun.
+
+        With ``generation`` (a re-form the pool asked for), the group is formed under
+        that prefix in the store the first group used: no new connection, so no
+        reverse DNS lookup (torch does one per store connection, and a lost DNS
+        reply costs 5 s). The sockets the group opens are remembered, so that a
+        collective blocked on them can be freed from another thread
+        (:meth:`free_blocked`).
+        """
+        before = open_sockets()
+        self.joining = True
+        try:
+            ctx = self._form(fresh, generation)
+        finally:
+            self.joining = False
+        self.sockets = {fd: ino for fd, ino in open_sockets().items() if before.get(fd) != ino}
+        return ctx
+
+    def reform(self, generation: int) -> None:
+        """A new default group; the namespace (and its stale objects) stays."""
+        self.abort()
+        self.join(fresh=True, generation=generation)
+
+    def abort(self) -> None:
+        """Abort the default group, once however many threads ask at the same time:
+        peers blocked in a collective with this rank are freed."""
+        with self._abort_lock:
+            try:
+                if dist.is_initialized():
+                    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+                    abort() if abort is not None else dist.destroy_process_group()
+            except Exception:
+                traceback.print_exc()
+
+    def free_blocked(self) -> None:
+        """Free the main thread from a collective, from the receiver thread.
+
+        NCCL's abort is made for this. gloo's ``abort()`` does not wake a thread
+        blocked in a collective, but shutting down the group's own sockets does,
+        at once, for this rank and the peers it talks to.
+        """
+        if self.backend == "nccl":
+            self.abort()
+        else:
+            shut_down_sockets(dict(self.sockets), _store_port())
+
+    def _form(self, fresh: bool, generation: int | None) -> DDPContext:
+        dist.set_debug_level_from_env()  # torch read it when the fork server imported it
+        store = self._store(fresh, generation)
+        ctx = self._context(store, fresh)
+        ctx.__enter__()
+        self.ctx = ctx
+        if self.base_store is None:
+            self.base_store = store if store is not None else _default_store()
+        self.backend, self.device = ctx.backend, str(ctx.device)
+        if ctx.device.type == "cpu":  # as `accelerate launch --cpu` says: CPU ranks, not one
+            os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+        if self.namespace:  # a re-form: the new group's subgroups and mesh replace the old
+            self.namespace.update(layout(ctx))
+        return ctx
+
+    def _store(self, fresh: bool, generation: int | None) -> dist.Store | None:
+        addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if generation is not None and self.base_store is not None:
+            return dist.PrefixStore(f"nbddp-reform-{generation}", self.base_store)
+        if not (self.needs_port or fresh):
+            return None  # torchrun's MASTER_PORT: the env:// store
+        if self.rank == 0:
+            store = self._open_store(addr)
+            self._send(P.StorePort(store.port))
+        else:
+            msg = self._inbox.get()
+            assert isinstance(msg, P.JoinGroup), msg
+            store = dist.TCPStore(addr, msg.port, self.world_size, False)
+        os.environ["MASTER_PORT"] = str(store.port)
+        return store
+
+    def _open_store(self, addr: str) -> dist.TCPStore:
+        # bound here, on MASTER_ADDR only: TCPStore alone would listen on every
+        # interface. The store owns the socket from now on (and closes it).
+        listening = socket.create_server((addr, 0), backlog=1024)
+        port = listening.getsockname()[1]
+        return dist.TCPStore(
+            addr,
+            port,
+            self.world_size,
+            True,
+            wait_for_workers=False,
+            master_listen_fd=listening.detach(),
+        )
+
+    def _context(self, store: dist.Store | None, fresh: bool) -> DDPContext:
+        env = os.environ
+        timeout, seed = env.get("NBDDP_PG_TIMEOUT"), env.get("NBDDP_SEED")
+        return DDPContext(
+            env.get("NBDDP_BACKEND") or default_backend(env.get("NBDDP_DEVICE")),
+            store=store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=float(timeout) if timeout else None,
+            device=env.get("NBDDP_DEVICE"),
+            seed=int(seed) if seed and not fresh else None,  # seeded at start, not re-forms
+            groups=env.get("NBDDP_GROUPS"),
+            mesh=env.get("NBDDP_MESH"),
+        )
