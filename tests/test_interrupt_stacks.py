@@ -1,8 +1,7 @@
-"""Where each rank was when its cell was interrupted (found while mending test_kernel)."""
+"""Where each rank was when its cell was interrupted: every rank, moved since the last
+sample or not (defect 16; found again while mending test_kernel)."""
 
 from __future__ import annotations
-
-import pytest
 
 from nbddp.supervisor import CellSupervisor
 
@@ -12,11 +11,6 @@ IN_REDUCE = (
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="CellSupervisor.stacks returns before it records stacks_at_interrupt when the "
-    "rank has not moved since the last periodic sample (supervisor.py: the pool core's)",
-)
 def test_a_rank_that_has_not_moved_since_the_last_sample_is_still_said_where_it_was():
     sup = CellSupervisor(1, [0, 1], now=100.0)
     sup.stacks(0, IN_REDUCE, 102.0)  # a periodic sample: rank 0 waits in all_reduce

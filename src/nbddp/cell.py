@@ -21,7 +21,6 @@ from . import stacks as S
 from .errors import root_causes
 from .hub import Closed, Dones, Gone, Mark, Msg, Text
 from .outcome import Outcome, failures_of
-from .sigint import interrupts_cell
 from .supervisor import CellSupervisor
 
 __all__ = ["Cell", "Requests"]
@@ -82,10 +81,6 @@ class Cell:
     # ------------------------------------------------------------ the cell's life
 
     def _run(self):
-        with interrupts_cell(self.pool):  # first: from here Ctrl-C is an interrupt request
-            yield from self._body()
-
-    def _body(self):
         pool = self.pool
         notes = pool.take_notes()
         backlog, pool.roster.backlog = pool.roster.backlog, []

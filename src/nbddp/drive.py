@@ -14,6 +14,7 @@ from typing import Protocol
 
 from . import protocol as P
 from .errors import CellInterrupted
+from .sigint import interrupts_cell
 
 __all__ = ["Sink", "drive"]
 
@@ -28,6 +29,8 @@ class Sink(Protocol):
 
 class _Debugged(Protocol):  # what the driver needs of a pool
     def interrupt(self) -> None: ...
+
+    def interrupt_stuck(self) -> bool: ...
 
     def debug_reply(self, prompt: P.RankDebug, line: str | None) -> None: ...
 
@@ -48,32 +51,38 @@ def drive(
     Every event goes to ``sink`` (the ones ``shown`` accepts, when given). A
     ``RankDebug`` is answered with ``prompt(event)``: a line, or None to end that rank's
     pdb session for the rest of the cell (no prompt: ended at once). A KeyboardInterrupt
-    (here or in ``prompt``) becomes ``pool.interrupt()`` and driving goes on. The sink is
-    closed whatever happens; a cell that ends without a ``CellEnd`` (its pool was
+    (here or in ``prompt``) becomes ``pool.interrupt()`` and driving goes on; in the main
+    thread, SIGINT asks for the interrupt without raising at all (:mod:`nbddp.sigint`).
+    The sink is closed whatever happens; a cell that ends without a ``CellEnd`` (its pool was
     stopped under it) raises :class:`~nbddp.CellInterrupted`.
     """
     events = iter(events)
-    end = None
-    closed: set[int] = set()  # ranks whose pdb session was ended
+    ends: list[P.CellEnd] = []
     try:
-        while True:
-            try:
-                for event in events:
-                    if isinstance(event, P.CellEnd):
-                        end = event
-                    if sink is not None and (shown is None or shown(event)):
-                        sink.handle(event)
-                    if isinstance(event, P.RankDebug):
-                        _answer(pool, event, prompt, closed)
-                break
-            except KeyboardInterrupt:
-                pool.interrupt()
+        with interrupts_cell(pool):
+            _drive(pool, events, sink, prompt, shown, ends)
     finally:
         if sink is not None:
-            sink.close(end)
-    if end is None:
+            sink.close(ends[-1] if ends else None)
+    if not ends:
         raise CellInterrupted("interrupt", notes=["the pool was stopped"])
-    return end
+    return ends[-1]
+
+
+def _drive(pool, events, sink, prompt, shown, ends: list) -> None:
+    closed: set[int] = set()  # ranks whose pdb session was ended
+    while True:
+        try:
+            for event in events:
+                if isinstance(event, P.CellEnd):
+                    ends.append(event)
+                if sink is not None and (shown is None or shown(event)):
+                    sink.handle(event)
+                if isinstance(event, P.RankDebug):
+                    _answer(pool, event, prompt, closed)
+            return
+        except KeyboardInterrupt:
+            pool.interrupt()
 
 
 def _answer(pool: _Debugged, event: P.RankDebug, prompt: Prompt | None, closed: set[int]):

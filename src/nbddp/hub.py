@@ -37,6 +37,7 @@ from . import protocol as P
 __all__ = ["Closed", "Dones", "Gone", "Hub", "Link", "Mark", "Msg", "RelayLink", "Stream", "Text"]
 
 INLINE = 1 << 16  # messages to ranks behind a relay up to this size travel in the frame
+CHUNK = 1 << 16  # what one read of a stream takes at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,14 +95,18 @@ class Stream:
         self._held = ""
         self.eof = False
 
-    def read(self) -> list[str | int]:
+    def read_bytes(self) -> bytes | None:
+        """What one read gives (at most CHUNK bytes; b"": the end); None: nothing yet."""
         try:
-            data = os.read(self.fd, 1 << 16)
+            return os.read(self.fd, CHUNK)
         except BlockingIOError:
-            return []
+            return None
         except OSError:
-            data = b""
-        return self.feed(data)
+            return b""
+
+    def read(self) -> list[str | int]:
+        data = self.read_bytes()
+        return [] if data is None else self.feed(data)
 
     def feed(self, data: bytes) -> list[str | int]:
         """Text pieces and end markers in ``data``; no data is the end of the stream."""

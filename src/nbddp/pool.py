@@ -19,25 +19,24 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import math
 import os
 import secrets
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-from . import capture, payload
+from . import capture, payload, queries
 from . import protocol as P
 from .cell import Cell, Requests
-from .ddp import check_device, parse_groups, parse_mesh
+from .drive import drive
 from .errors import NbddpError, PoolClosedError, RankDied
-from .hub import Gone, Hub, Msg, Text
-from .launch import START_METHODS
+from .hub import Gone, Hub, Text
+from .layout import check_layout, check_options
 from .listener import Listener, bind_tcp, bind_unix
 from .logs import LogDir
 from .outcome import failures_of, raise_for_end
 from .processes import RankProcesses, enough_open_files, rank_env
+from .queries import RankStatus
 from .roster import Roster
 
 __all__ = ["Pool", "RankStatus", "failures_of", "raise_for_end"]
@@ -59,17 +58,6 @@ def set_default_pool(pool: Pool | None) -> None:
 def _stop_all_pools() -> None:
     for pool in list(_LIVE_POOLS):
         pool.stop()
-
-
-@dataclass(frozen=True)
-class RankStatus:
-    rank: int
-    pid: int
-    host: str
-    device: str
-    state: str
-    uptime: float
-    rss: int | None
 
 
 # the pool's states: new -> starting -> ready <-> (cells) ; any -> lost -> starting ; closed
@@ -107,8 +95,8 @@ class Pool:
         debug: bool = False,
         threads: str | int | None = None,
     ) -> None:
-        _check_options(n, start_method, backend, listen, token, threads)
-        _check_layout(n, device, gpus, groups, mesh)
+        check_options(n, start_method, backend, listen, token, threads)
+        check_layout(n, device, gpus, groups, mesh)
         self.world_size = n
         self.start_method, self.backend, self.pg_timeout = start_method, backend, pg_timeout
         self.start_timeout, self.grace, self.abort_after = start_timeout, grace, abort_after
@@ -305,18 +293,8 @@ class Pool:
             self.procs.close()
 
     def reap(self, ranks: list, deadline: float) -> None:
-        """Wait for the ranks' processes until ``deadline``, then SIGKILL their sessions.
-
-        Ranks started elsewhere cannot be signalled: wait for their connections to close.
-        """
-        if self.procs.launcher is None:
-            for r in ranks:
-                _wait_closed(r.link.conn, deadline)
-                r.state = "dead"
-            return
-        codes = self.procs.reap([r.pid for r in ranks], deadline)
-        for r in ranks:
-            r.returncode, r.state = codes[r.pid], "dead"
+        """Wait for the ranks to end until ``deadline``, then SIGKILL them (local ranks)."""
+        self.procs.reap_ranks(ranks, deadline)
 
     def exit_code(self, r) -> int | None:
         return self.procs.returncode(r.pid, timeout=2.0)
@@ -462,6 +440,14 @@ class Pool:
         request = self.requests.request
         return request is not None and time.monotonic() - request[1] > self.grace + 5.0
 
+    def status(self, timeout: float = 2.0) -> list[RankStatus]:
+        """One row per rank: pid, host, device, state, uptime, resident memory."""
+        return queries.status(self, timeout)
+
+    def stacks(self, timeout: float = 2.0) -> dict[int, tuple]:
+        """Where each rank's main thread is now (between cells: empty, they are idle)."""
+        return queries.stacks(self, timeout)
+
     def debug_reply(self, prompt: P.RankDebug, line: str | None) -> None:
         """Answer a rank's pdb (a ``RankDebug`` event) with ``line``; None ends its session."""
         self.roster[prompt.rank].send(P.DebugInput(line, prompt.seq))
@@ -485,94 +471,8 @@ class Pool:
         Output is discarded; use :meth:`run` to see it. A rank's pdb (``breakpoint()``)
         gets no commands here: its session is closed at once, not waited for.
         """
-        end = None
-        for event in self.run(code, want_values=True, **kwargs):
-            if isinstance(event, P.CellEnd):
-                end = event
-            elif isinstance(event, P.RankDebug):
-                self.debug_reply(event, None)
+        end = drive(self, self.run(code, want_values=True, **kwargs))
         raise_for_end(end, self.hosts)
         return [end.values.get(r) for r in range(self.world_size)]
 
     # ------------------------------------------------------------ status
-
-    def _ask(self, msg: object, reply: type, timeout: float) -> dict[int, object]:
-        """Send ``msg`` to every live rank between cells; their replies of type ``reply``."""
-        live = [r for r in self.roster.live() if r.send(msg)]
-        replies: dict[int, object] = {}
-        deadline = time.monotonic() + timeout
-        while len(replies) < len(live) and time.monotonic() < deadline:
-            for item in self.hub.pump(max(0.0, deadline - time.monotonic())):
-                kind = type(item)
-                if kind is Msg and isinstance(item.msg, reply):
-                    replies[item.rank] = item.msg
-                elif kind is Text:
-                    self.roster.backlog.append(P.Output(item.rank, item.stream, item.text))
-                elif kind is Gone:
-                    self.roster[item.rank].state = "dead"
-                    self.lost = True
-        return replies
-
-    def status(self, timeout: float = 2.0) -> list[RankStatus]:
-        """One row per rank: pid, host, device, state, uptime, resident memory."""
-        replies = self._ask(P.Query(), P.StatusReply, timeout)
-        now = time.monotonic()
-        return [
-            RankStatus(
-                r.rank,
-                r.pid,
-                r.host,
-                r.device,
-                r.state if r.state == "dead" or r.rank in replies else "unresponsive",
-                now - r.started,
-                replies[r.rank].rss if r.rank in replies else None,
-            )
-            for r in self.roster.ranks.values()
-        ]
-
-    def stacks(self, timeout: float = 2.0) -> dict[int, tuple]:
-        """Where each rank's main thread is now (between cells: empty, they are idle)."""
-        replies = self._ask(P.StackQuery(), P.Stacks, timeout)
-        return {rank: reply.frames for rank, reply in sorted(replies.items())}
-
-
-def _wait_closed(conn, deadline: float) -> None:
-    """Read ``conn`` until its peer closes it or ``deadline`` passes."""
-    if conn is None or conn.closed:
-        return
-    try:
-        while conn.poll(max(0.0, deadline - time.monotonic())):
-            conn.recv_bytes()
-    except (OSError, EOFError):
-        pass
-
-
-def _check_options(n, start_method, backend, listen, token, threads) -> None:
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"the world size must be a whole number >= 1, not {n!r}")
-    if start_method not in START_METHODS:
-        raise ValueError(
-            f"unknown start method {start_method!r} (choose from {', '.join(START_METHODS)})"
-        )
-    if backend not in (None, "gloo", "nccl"):
-        raise ValueError(f"unknown backend {backend!r} (choose gloo or nccl)")
-    if threads is not None and str(threads) != "auto" and not str(threads).isdigit():
-        raise ValueError(f"threads: a number or 'auto', not {threads!r}")
-    if listen is not None and not token:
-        raise ValueError("a pool that listens on TCP needs a token")
-
-
-def _check_layout(n, device, gpus, groups, mesh) -> None:
-    """Refuse, before anything starts, options that cannot fit ``n`` ranks."""
-    check_device(device)
-    if gpus is not None and len(gpus) < n:
-        raise ValueError(f"--gpus names {len(gpus)} GPUs for {n} ranks")
-    for group in parse_groups(groups):
-        if not group or any(not 0 <= r < n for r in group):
-            raise ValueError(f"--groups: every group needs ranks 0..{n - 1}, not {group}")
-    names, sizes = parse_mesh(mesh)
-    if names and math.prod(sizes) != n:
-        raise ValueError(
-            f"--mesh {mesh}: {' x '.join(map(str, sizes))} = {math.prod(sizes)} ranks, "
-            f"but the world size is {n}"
-        )

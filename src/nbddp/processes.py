@@ -94,6 +94,18 @@ class RankProcesses:
             codes[pid] = code
         return codes
 
+    def reap_ranks(self, ranks: list, deadline: float) -> None:
+        """:meth:`reap` for rank records (their ``returncode`` and ``state`` set); ranks
+        started elsewhere cannot be signalled: wait for their connections to close."""
+        if self.launcher is None:
+            for r in ranks:
+                _wait_closed(r.link.conn, deadline)
+                r.state = "dead"
+            return
+        codes = self.reap([r.pid for r in ranks], deadline)
+        for r in ranks:
+            r.returncode, r.state = codes[r.pid], "dead"
+
     def close(self) -> None:
         """End the launcher and remove the folders."""
         if self.launcher is not None:
@@ -157,3 +169,14 @@ def enough_open_files(ranks: int) -> None:
     new = want if hard == resource.RLIM_INFINITY else min(want, hard)
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+
+
+def _wait_closed(conn, deadline: float) -> None:
+    """Read ``conn`` until its peer closes it or ``deadline`` passes."""
+    if conn is None or conn.closed:
+        return
+    try:
+        while conn.poll(max(0.0, deadline - time.monotonic())):
+            conn.recv_bytes()
+    except (OSError, EOFError):
+        pass

@@ -49,7 +49,6 @@ import selectors
 import shutil
 import socket
 import stat
-import struct
 import sys
 import tempfile
 import threading
@@ -59,11 +58,11 @@ from multiprocessing.connection import (
     AuthenticationError,
     Client,
     Connection,
-    answer_challenge,
-    deliver_challenge,
 )
 
 from . import protocol as P
+from .hub import CHUNK, Stream
+from .listener import Listener
 
 __all__ = ["Relay", "socket_path", "start", "wanted"]
 
@@ -186,16 +185,12 @@ def _no_delay(conn: Connection) -> None:
     s.close()
 
 
-CHUNK = 1 << 16  # what one read of a stream takes at most
-
-
-class _Stream:
-    """One rank's stdout or stderr, as the relay reads it."""
+class _Stream(Stream):
+    """One rank's stdout or stderr, as the relay reads it: bytes, passed on as they are."""
 
     def __init__(self, conn: Connection, name: str) -> None:
-        self.conn, self.fd, self.name = conn, conn.fileno(), name
+        super().__init__(conn, name)
         os.set_blocking(self.fd, False)
-        self.eof = False
         self.read_in = -1  # the round of the relay's loop it was last read in
         self.full = False  # that read filled its buffer: there may be more
 
@@ -224,27 +219,9 @@ class Relay:
 
     # -- threads: accept (authenticate ranks), down (notebook -> ranks)
 
-    def _accept_loop(self) -> None:
-        while not self.closing:
-            try:
-                sock, _ = self.listener.accept()
-            except OSError:
-                return
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 5, 0))
-            conn = Connection(sock.detach())
-            try:
-                deliver_challenge(conn, self.token)
-                answer_challenge(conn, self.token)
-                data = conn.recv_bytes(1 << 16)
-                hello = P.loads(data)
-                s = socket.socket(fileno=os.dup(conn.fileno()))
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
-                s.close()
-            except Exception:  # not one of this pool's ranks
-                conn.close()
-                continue
-            self._accepted.put((conn, hello, data))
-            self._wake()
+    def _accepted_peer(self, conn: Connection, hello: object, raw: bytes) -> None:
+        self._accepted.put((conn, hello, raw))  # (from the listener's thread)
+        self._wake()
 
     def _down_loop(self) -> None:
         while True:
@@ -271,7 +248,8 @@ class Relay:
     # -- the loop: ranks -> notebook
 
     def serve(self, timeout: float) -> None:
-        threading.Thread(target=self._accept_loop, name="relay-accept", daemon=True).start()
+        accepting = Listener(self.listener, self.token, self._accepted_peer, name="relay")
+        accepting.start()
         threading.Thread(target=self._down_loop, name="relay-down", daemon=True).start()
         deadline = time.monotonic() + timeout
         try:
@@ -299,8 +277,7 @@ class Relay:
                     time.sleep(POLL)  # their last words come together, not one wake-up each
         finally:
             self.closing = True
-            with contextlib.suppress(OSError):  # wakes the accept thread
-                self.listener.shutdown(socket.SHUT_RDWR)
+            accepting.close()
             for conn in list(self.controls.values()):
                 conn.close()
             for streams in self.streams.values():
@@ -343,12 +320,9 @@ class Relay:
         if s.eof or s.conn.closed:  # its rank went earlier in this round
             return False
         s.read_in, s.full = self.round, False
-        try:
-            data = os.read(s.fd, CHUNK)
-        except BlockingIOError:
+        data = s.read_bytes()
+        if data is None:
             return False
-        except OSError:
-            data = b""
         if not data:
             s.eof = True
             self.selector.unregister(s.fd)

@@ -1,0 +1,65 @@
+"""Questions to the ranks between cells: how each is (``%ddp status``), where each is
+(``%ddp stacks``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from . import protocol as P
+from .hub import Gone, Msg, Text
+
+__all__ = ["RankStatus", "stacks", "status"]
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    rank: int
+    pid: int
+    host: str
+    device: str
+    state: str
+    uptime: float
+    rss: int | None
+
+
+def ask(pool, msg: object, reply: type, timeout: float) -> dict[int, object]:
+    """Send ``msg`` to every live rank between cells; their replies of type ``reply``."""
+    live = [r for r in pool.roster.live() if r.send(msg)]
+    replies: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    while len(replies) < len(live) and time.monotonic() < deadline:
+        for item in pool.hub.pump(max(0.0, deadline - time.monotonic())):
+            kind = type(item)
+            if kind is Msg and isinstance(item.msg, reply):
+                replies[item.rank] = item.msg
+            elif kind is Text:
+                pool.roster.backlog.append(P.Output(item.rank, item.stream, item.text))
+            elif kind is Gone:
+                pool.roster[item.rank].state = "dead"
+                pool.lost = True
+    return replies
+
+
+def status(pool, timeout: float = 2.0) -> list[RankStatus]:
+    """One row per rank: pid, host, device, state, uptime, resident memory."""
+    replies = ask(pool, P.Query(), P.StatusReply, timeout)
+    now = time.monotonic()
+    return [
+        RankStatus(
+            r.rank,
+            r.pid,
+            r.host,
+            r.device,
+            r.state if r.state == "dead" or r.rank in replies else "unresponsive",
+            now - r.started,
+            replies[r.rank].rss if r.rank in replies else None,
+        )
+        for r in pool.roster.ranks.values()
+    ]
+
+
+def stacks(pool, timeout: float = 2.0) -> dict[int, tuple]:
+    """Where each rank's main thread is now (between cells: empty, they are idle)."""
+    replies = ask(pool, P.StackQuery(), P.Stacks, timeout)
+    return {rank: reply.frames for rank, reply in sorted(replies.items())}
