@@ -27,6 +27,7 @@ _._pull
 _._export
 _._debug
 _._run
+_._attach
 # matplotlib's backend protocol (MPLBACKEND=module://nbddp.mpl_backend)
 FigureCanvas
 FigureManager

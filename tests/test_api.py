@@ -15,7 +15,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 import nbddp
 from nbddp import CellFailed, Pool
-from nbddp.pool import default_pool
+from nbddp.session import default_pool
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -92,7 +92,7 @@ def test_tensors_arrive_as_real_tensors_and_the_files_are_gone(shell, run):
     base = float(torch.arange(2**20, dtype=torch.float32).sum())
     assert values == [(0.0, base), (1.0, base + 2**20)]  # each rank changed its own copy
     assert float(shell.user_ns["shared_t"][0]) == 0.0  # and the notebook's is untouched
-    from nbddp.pool import default_pool
+    from nbddp.session import default_pool
 
     folder = default_pool().shm_folder  # where the shipment went: the pool's own folder
     assert os.path.basename(folder).startswith("nbddp-")

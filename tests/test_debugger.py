@@ -274,7 +274,7 @@ def test_execute_closes_a_breakpoint_instead_of_waiting(sized_pool):
 
 def test_ranch_closes_a_breakpoint_instead_of_waiting():
     from nbddp import CellFailed, ranch
-    from nbddp.pool import default_pool, set_default_pool
+    from nbddp.session import SESSION, default_pool
 
     def stops():
         import os
@@ -289,4 +289,4 @@ def test_ranch_closes_a_breakpoint_instead_of_waiting():
         assert ranch(3, lambda: 2) == [2, 2, 2]
     finally:
         default_pool().stop()
-        set_default_pool(None)
+        SESSION.pool = None

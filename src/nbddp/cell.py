@@ -11,6 +11,7 @@ pool (:mod:`nbddp.recovery`).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from .hub import Closed, Dones, Gone, Mark, Msg, Text
 from .outcome import Outcome, failures_of
 from .supervisor import CellSupervisor
 
-__all__ = ["Cell", "Requests"]
+__all__ = ["Cell", "Requests", "make_runs"]
 
 
 @dataclass
@@ -57,6 +58,16 @@ class Requests:
             self.pending = None
         if self.for_cell(cell) is not None:
             self.request = None  # the cell ended: it was answered
+
+
+def make_runs(run: P.Run, targets: list[int], shown: set[int]) -> dict[int, P.Run]:
+    """Each target's Run: two messages at most (rich output shown from ``shown`` ranks or
+    not), so each is pickled once for every rank."""
+    runs = {
+        False: dataclasses.replace(run, display=False),
+        True: dataclasses.replace(run, display=True),
+    }
+    return {r: runs[r in shown] for r in targets}
 
 
 class Cell:

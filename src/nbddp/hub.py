@@ -22,7 +22,6 @@ still wanted. New connections are handed to ``on_hello`` as they come.
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import os
 import pickle
@@ -33,11 +32,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from . import protocol as P
+from .streams import Stream
 
-__all__ = ["Closed", "Dones", "Gone", "Hub", "Link", "Mark", "Msg", "RelayLink", "Stream", "Text"]
+__all__ = ["Closed", "Dones", "Gone", "Hub", "Link", "Mark", "Msg", "RelayLink", "Text"]
 
 INLINE = 1 << 16  # messages to ranks behind a relay up to this size travel in the frame
-CHUNK = 1 << 16  # what one read of a stream takes at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,58 +77,6 @@ class Gone:
 
 
 Item = Text | Mark | Closed | Msg | Dones | Gone
-
-
-class Stream:
-    """One rank's stdout or stderr: raw bytes in, text pieces and end markers out.
-
-    ``conn`` is None for a rank behind a relay: the relay feeds its bytes (such a
-    rank writes no end markers; its Done comes after all it wrote).
-    """
-
-    def __init__(self, conn: Connection | None, name: str) -> None:
-        self.conn = conn
-        self.fd = None if conn is None else conn.fileno()
-        self.name = name
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._held = ""
-        self.eof = False
-
-    def read_bytes(self) -> bytes | None:
-        """What one read gives (at most CHUNK bytes; b"": the end); None: nothing yet."""
-        try:
-            return os.read(self.fd, CHUNK)
-        except BlockingIOError:
-            return None
-        except OSError:
-            return b""
-
-    def read(self) -> list[str | int]:
-        data = self.read_bytes()
-        return [] if data is None else self.feed(data)
-
-    def feed(self, data: bytes) -> list[str | int]:
-        """Text pieces and end markers in ``data``; no data is the end of the stream."""
-        if not data:
-            self.eof = True
-            text = self._held + self._decoder.decode(b"", final=True)
-            self._held = ""
-            return [text] if text else []
-        pieces, self._held = P.split_markers(self._held + self._decoder.decode(data))
-        return pieces
-
-    def read_available(self) -> list[str | int]:
-        """Everything already written, without waiting (used when the writer died)."""
-        if self.fd is None:  # a relay sent all there was before the rank's end
-            return [] if self.eof else self.feed(b"")
-        os.set_blocking(self.fd, False)
-        pieces: list[str | int] = []
-        while not self.eof:
-            got = self.read()
-            if not got and not self.eof:
-                break
-            pieces += got
-        return pieces
 
 
 class RelayLink:

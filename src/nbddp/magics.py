@@ -34,7 +34,7 @@ from .options import (
     help_text,
     parse_argstring,
 )
-from .pool import Pool, raise_for_end, set_default_pool
+from .pool import Pool, raise_for_end
 from .prompts import debug_prompt, launcher_hints
 from .session import SESSION, Refused, say
 
@@ -87,7 +87,7 @@ class DDPMagics(Magics):
 
     @pool.setter
     def pool(self, pool: Pool | None) -> None:
-        set_default_pool(pool)
+        self.session.pool = pool
 
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None):

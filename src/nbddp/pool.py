@@ -25,12 +25,12 @@ import time
 import weakref
 from collections.abc import Iterator
 
-from . import capture, payload, queries
+from . import capture, payload, queries, recovery
 from . import protocol as P
-from .cell import Cell, Requests
+from .cell import Cell, Requests, make_runs
 from .drive import drive
-from .errors import NbddpError, PoolClosedError, RankDied
-from .hub import Gone, Hub, Text
+from .errors import NbddpError
+from .hub import Hub, Text
 from .layout import check_layout, check_options
 from .listener import Listener, bind_tcp, bind_unix
 from .logs import LogDir
@@ -42,26 +42,12 @@ from .roster import Roster
 __all__ = ["Pool", "RankStatus", "failures_of", "raise_for_end"]
 
 _LIVE_POOLS: weakref.WeakSet[Pool] = weakref.WeakSet()
-_default: Pool | None = None  # the pool %%ddp and nbddp.ranch share
-
-
-def default_pool() -> Pool | None:
-    return _default
-
-
-def set_default_pool(pool: Pool | None) -> None:
-    global _default
-    _default = pool
 
 
 @atexit.register
 def _stop_all_pools() -> None:
     for pool in list(_LIVE_POOLS):
         pool.stop()
-
-
-# the pool's states: new -> starting -> ready <-> (cells) ; any -> lost -> starting ; closed
-STATES = ("new", "starting", "ready", "lost", "closed")
 
 
 class Pool:
@@ -109,7 +95,9 @@ class Pool:
         # attached pools: ranks started elsewhere (torchrun) connect over TCP with ``token``
         self.listen_on = listen
         self.token = token or b""
-        self.state = "new"  # one of STATES
+        # new -> starting -> ready (cells run) -> lost (a death: the next cell starts anew)
+        # -> starting ...; stop() -> closed
+        self.state = "new"
         self.notes: list[str] = []  # said once, with the next cell
         self.last_stacks: dict[int, tuple] = {}  # where the ranks were at the last interrupt
         self.requests = Requests()  # interrupts, from any thread
@@ -330,27 +318,7 @@ class Pool:
         for item in self.hub.drain(rank):
             yield P.Output(item.rank, item.stream, item.text)
 
-    def _ensure_running(self) -> None:
-        if self.state == "closed" and not self.roster.ranks:
-            raise PoolClosedError("the pool was stopped; start it again")
-        if self.attached and (self.lost or not self.started):
-            raise PoolClosedError(
-                "the attached pool lost a rank: start torchrun again and attach again"
-            )
-        gone = [i.rank for i in self._poll_idle() if type(i) is Gone]
-        if gone or self.lost:
-            why = ", ".join(
-                RankDied(rank, self.exit_code(self.roster[rank])).summary for rank in gone
-            )
-            self._teardown(keep_launcher=True)
-            self.notes.append(
-                (f"{why} since the last cell; " if why else "")
-                + "started a new pool: the ranks' state was lost"
-            )
-        if not self.started:
-            self.start()
-
-    def _poll_idle(self) -> list:
+    def poll_idle(self) -> list:
         """Take in whatever arrived between cells (output goes to the backlog)."""
         if not self.roster.ranks:
             return []
@@ -394,7 +362,7 @@ class Pool:
         A rank in pdb (``breakpoint()``) yields ``RankDebug`` each time it wants a
         line; answer with :meth:`debug_reply`.
         """
-        self._ensure_running()
+        recovery.ready_for_a_cell(self)
         targets = sorted(set(range(self.world_size) if ranks is None else ranks))
         bad = [r for r in targets if not 0 <= r < self.world_size]
         if bad:
@@ -402,24 +370,22 @@ class Pool:
         if isinstance(needs, dict):
             needs = capture.pack(needs, self.shm_folder)
         cell = next(self._cells)
-        shown = {0} if display_ranks is None else set(display_ranks)
-        run = {  # two messages at most, each pickled once for every rank
-            display: P.Run(
+        runs = make_runs(
+            P.Run(
                 cell,
                 code,
                 imports,
                 needs and needs.data,
                 auto and auto.data,
                 want_values,
-                display,
                 shm=not self.attached,
                 script=script,
                 post_mortem=post_mortem,
                 profile=profile,
-            )
-            for display in (False, True)
-        }
-        runs = {r: run[r in shown] for r in targets}
+            ),
+            targets,
+            {0} if display_ranks is None else set(display_ranks),
+        )
         self.requests.pending = cell  # an interrupt from now on is for this cell
         return Cell(self, cell, runs, timeout, tick, [s for s in (needs, auto) if s])
 

@@ -36,6 +36,20 @@ import pickle
 import re
 from dataclasses import dataclass, field
 
+from .events import (
+    CellEnd,
+    Output,
+    RankDebug,
+    RankDisplay,
+    RankExit,
+    RankProgress,
+    RankResult,
+    RankState,
+    RankStates,
+    RankWhere,
+    Tick,
+)
+
 __all__ = [
     "PROTOCOL_VERSION",
     "AbortGroup",
@@ -295,108 +309,6 @@ class Query:
 @dataclass(frozen=True)
 class Shutdown:
     pass
-
-
-# ---------------------------------------------------------------- events a pool yields
-
-
-@dataclass(frozen=True)
-class Output:
-    rank: int
-    stream: str  # "stdout" | "stderr"
-    text: str
-
-
-@dataclass(frozen=True)
-class RankState:
-    rank: int
-    state: str  # "queued" | "running" | "done" | "failed" | "freed" | "interrupted" | "dead"
-    # ("freed": its collective failed because the group was aborted after another rank failed)
-
-
-@dataclass(frozen=True)
-class RankStates:
-    """Several ranks entered one state at once (every rank of a cell starting, a relay's
-    ranks ending together): a :class:`RankState` for each, in one event."""
-
-    ranks: tuple[int, ...]
-    state: str
-
-    def each(self) -> list[RankState]:
-        return [RankState(rank, self.state) for rank in self.ranks]
-
-
-@dataclass(frozen=True)
-class RankWhere:
-    """Where a running rank is (a stack sample): ``waiting`` names the collective it waits in."""
-
-    rank: int
-    where: str  # nbddp.stacks.summary: "all_reduce, cell line 5: dist.all_reduce(t)"
-    waiting: str | None  # "all_reduce", or None when not in a collective
-    since: float  # time.monotonic() when this place was first seen
-
-
-@dataclass(frozen=True)
-class RankResult:
-    rank: int
-    value_repr: str | None
-
-
-@dataclass(frozen=True)
-class RankDisplay:
-    rank: int
-    data: dict
-    metadata: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class RankDebug:
-    """A rank's pdb wants a line: show ``output``, ask with ``prompt``, answer with
-    :meth:`nbddp.Pool.debug_reply`."""
-
-    rank: int
-    output: str
-    prompt: str
-    seq: int = 0
-
-
-@dataclass(frozen=True)
-class RankProgress:
-    rank: int
-    done: int
-    total: int | None
-    desc: str = ""
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Nothing happened for a while; sinks may refresh clocks."""
-
-
-@dataclass(frozen=True)
-class RankExit:
-    """A rank's process ended while it was wanted (died, or was stopped by the pool)."""
-
-    rank: int
-    returncode: int | None  # negative: killed by that signal; None: unknown (remote)
-    stopped_by_pool: bool = False
-    when: float = 0.0  # time.time() when the notebook saw it end
-
-
-@dataclass(frozen=True)
-class CellEnd:
-    """The last event of every cell: what came back, what failed, what it cost."""
-
-    cell: int
-    ranks: tuple[int, ...]
-    values: dict[int, object] = field(default_factory=dict)
-    errors: dict[int, ErrorInfo] = field(default_factory=dict)
-    exits: dict[int, RankExit] = field(default_factory=dict)
-    interrupted: str | None = None  # None, "interrupt" or "timeout"
-    notes: tuple[str, ...] = ()
-    stacks: dict[int, tuple] = field(default_factory=dict)  # where ranks were when interrupted
-    freed: tuple[int, ...] = ()  # ranks whose group was aborted under them (consequences)
-    profiles: dict[int, Profile] = field(default_factory=dict)  # with Run.profile
 
 
 # ---------------------------------------------------------------- encoding

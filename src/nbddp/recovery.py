@@ -3,6 +3,8 @@
 - A rank failed while others waited for it in a collective, or an interrupt
   left ranks blocked: the group was aborted on every rank; :func:`reform` has
   every rank join a new group and keep its namespace.
+- Before a cell, :func:`ready_for_a_cell`: a pool that lost its state (or a rank
+  that died between cells) is started anew, and the next cell says so.
 - A rank died: :func:`rank_died` reports it (after everything it printed).
 - Ranks that do not come back (a death broke the group for good, a rank stuck
   in C past the grace period): :func:`stop_pool` stops them all, and the next
@@ -17,9 +19,10 @@ import time
 
 from . import protocol as P
 from . import stacks as S
-from .errors import PoolStartError
+from .errors import PoolClosedError, PoolStartError, RankDied
+from .hub import Gone
 
-__all__ = ["rank_died", "reform", "state_lost", "stop_pool"]
+__all__ = ["rank_died", "ready_for_a_cell", "reform", "state_lost", "stop_pool"]
 
 REFORM_TIMEOUT = 60.0  # seconds the ranks have to join the re-formed group
 
@@ -111,3 +114,24 @@ def stop_pool(pool, sup, out, action):
             out.exits[o.rank] = P.RankExit(o.rank, o.returncode, True, time.time())
             yield P.RankState(o.rank, "dead")
     pool.lost = True
+
+
+def ready_for_a_cell(pool) -> None:
+    """Start the pool anew if it lost its state (said in a note); refuse a stopped pool,
+    or an attached one that lost a rank (torchrun started those ranks, not us)."""
+    if pool.state == "closed" and not pool.roster.ranks:
+        raise PoolClosedError("the pool was stopped; start it again")
+    if pool.attached and (pool.lost or not pool.started):
+        raise PoolClosedError(
+            "the attached pool lost a rank: start torchrun again and attach again"
+        )
+    gone = [i.rank for i in pool.poll_idle() if type(i) is Gone]
+    if gone or pool.lost:
+        why = ", ".join(RankDied(rank, pool.exit_code(pool.roster[rank])).summary for rank in gone)
+        pool.lose()
+        pool.notes.append(
+            (f"{why} since the last cell; " if why else "")
+            + "started a new pool: the ranks' state was lost"
+        )
+    if not pool.started:
+        pool.start()

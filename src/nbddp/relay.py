@@ -61,8 +61,8 @@ from multiprocessing.connection import (
 )
 
 from . import protocol as P
-from .hub import CHUNK, Stream
 from .listener import Listener
+from .streams import CHUNK, Stream
 
 __all__ = ["Relay", "socket_path", "start", "wanted"]
 

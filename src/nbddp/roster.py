@@ -20,8 +20,6 @@ from .hub import Gone, Hub, Link, Msg, RelayLink, Stream, Text
 
 __all__ = ["Rank", "Roster"]
 
-STATES = ("starting", "idle", "running", "dead")
-
 
 @dataclass
 class Rank:
@@ -29,7 +27,7 @@ class Rank:
     pid: int
     host: str = ""
     link: Link = field(default_factory=Link)
-    state: str = "starting"  # one of STATES
+    state: str = "starting"  # starting | idle | running | dead
     device: str = ""
     backend: str = ""
     started: float = field(default_factory=time.monotonic)
@@ -229,13 +227,23 @@ class Roster:
                 + log_tail(item.rank)
             )
         elif kind is Msg:
-            self._handshake_msg(self.ranks[item.rank], item.msg)
+            handler = self._STARTING.get(type(item.msg))
+            if handler is not None:
+                handler(self, self.ranks[item.rank], item.msg)
 
-    def _handshake_msg(self, r: Rank, msg: object) -> None:
-        if isinstance(msg, P.StorePort):
-            self.set_store_port(msg.port)
-        elif isinstance(msg, P.Ready):
-            r.state, r.backend, r.device = "idle", msg.backend, msg.device
-            r.names = frozenset(msg.names) or r.names
-        elif isinstance(msg, P.Fatal):
-            raise PoolStartError(f"rank {r.rank} failed to start:\n{msg.error.traceback}")
+    def _store_port(self, _r: Rank, msg: P.StorePort) -> None:
+        self.set_store_port(msg.port)
+
+    def _ready(self, r: Rank, msg: P.Ready) -> None:
+        r.state, r.backend, r.device = "idle", msg.backend, msg.device
+        r.names = frozenset(msg.names) or r.names
+
+    def _fatal(self, r: Rank, msg: P.Fatal) -> None:
+        raise PoolStartError(f"rank {r.rank} failed to start:\n{msg.error.traceback}")
+
+    # what a starting rank's messages do (others wait for its first cell, or are late)
+    _STARTING = {
+        P.StorePort: _store_port,
+        P.Ready: _ready,
+        P.Fatal: _fatal,
+    }

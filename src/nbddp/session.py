@@ -1,9 +1,9 @@
 """Which pool the notebook uses: one for ``%%ddp``/``%ddp`` and ``nbddp.ranch`` alike.
 
-The pool itself is :func:`nbddp.pool.default_pool`; the session adds the options it
-was made with, and :meth:`Session.want_pool`, the one place that starts it, resizes
-it or restarts it with other options. No IPython here: refusals raise
-:class:`Refused`, which the magics show as one line.
+The session holds the pool (:func:`default_pool`) and the options it was made with,
+and :meth:`Session.want_pool` is the one place that starts it, resizes it or restarts
+it with other options. No IPython here: refusals raise :class:`Refused`, which the
+magics show as one line.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import time
 import torch
 
 from .errors import NbddpError, PoolStartError
-from .pool import Pool, default_pool, set_default_pool
+from .pool import Pool
 
-__all__ = ["SESSION", "Refused", "Session", "default_world_size"]
+__all__ = ["SESSION", "Refused", "Session", "default_pool", "default_world_size"]
 
 
 class Refused(NbddpError, ValueError):
@@ -40,22 +40,19 @@ class Session:
 
     def __init__(self) -> None:
         self.options: dict = {}
-
-    @property
-    def pool(self) -> Pool | None:
-        return default_pool()
+        self.pool: Pool | None = None
 
     def use(self, pool: Pool | None, options: dict | None = None) -> None:
         """From now on ``pool`` (made with ``options``) is the one; the old one is stopped."""
-        old = default_pool()
+        old = self.pool
         if old is not None and old is not pool:
             old.stop()
-        set_default_pool(pool)
+        self.pool = pool
         self.options = dict(options or {})
 
     def stop(self) -> bool:
         """Stop the pool, if there is one; whether there was."""
-        had = default_pool() is not None
+        had = self.pool is not None
         self.use(None)
         return had
 
@@ -105,3 +102,8 @@ class Session:
 
 
 SESSION = Session()
+
+
+def default_pool() -> Pool | None:
+    """The pool ``%%ddp`` and ``nbddp.ranch`` share (None: none yet)."""
+    return SESSION.pool

@@ -1,0 +1,134 @@
+"""The house (DESIGN.md §2): no import circles, nothing imported upward, rooms of a
+bounded size. Read from the sources with ``ast``: imports under ``TYPE_CHECKING``
+do not count (they are never run)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "nbddp"
+
+# the pool's core: it runs without IPython, and (detached, later) in a process of its own
+CORE = {
+    "pool", "hub", "listener", "roster", "processes", "cell", "recovery", "outcome",
+    "queries", "layout", "logs", "drive", "sigint", "supervisor", "launch", "payload",
+    "capture", "protocol", "events", "errors", "stacks", "streams",
+}  # fmt: skip
+FRONT = {
+    "magics", "options", "session", "prompts", "autocapture", "attaching", "api",
+    "dashboard", "dashboard_html", "dashboard_widget", "sinks", "fold", "export", "demo",
+}  # fmt: skip
+WORKER = {
+    "worker", "worker_control", "worker_group", "worker_shims", "worker_cell",
+    "worker_code", "ddp", "debugger", "profiling", "collectives", "rich", "mpl_backend",
+}  # fmt: skip
+# shared by the notebook, the worker and the relay: the wire, errors as data, stacks, the
+# listener (the relay's is the notebook's), streams, shipped data, the launcher
+SHARED = {"protocol", "events", "errors", "stacks", "payload", "launch", "listener", "streams"}
+NOTEBOOK_SIDE = CORE - SHARED
+FRONT_END_LIBRARIES = ("IPython", "ipykernel", "ipywidgets", "anywidget")
+MAX_LINES = 450
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _module_level(body: list[ast.stmt]):
+    """The statements that run on import: not inside functions or classes, nor under
+    ``if TYPE_CHECKING``; a function's own imports run only when it is called."""
+    for node in body:
+        if isinstance(node, ast.If) and _type_checking(node):
+            continue
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            inner = getattr(node, field, None)
+            if isinstance(inner, list) and not isinstance(
+                node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+            ):
+                yield from _module_level(inner)
+
+
+def imports_of(module: str) -> tuple[set[str], set[str]]:
+    """(nbddp modules, other top-level packages) that importing ``module`` imports."""
+    tree = ast.parse((SRC / f"{module}.py").read_text())
+    ours, others = set(), set()
+    for node in _module_level(tree.body):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            if node.module:
+                ours.add(node.module.split(".")[0])
+            else:
+                ours.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            parts = node.module.split(".")
+            (ours.add(parts[1]) if parts[0] == "nbddp" else others.add(parts[0]))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "nbddp" and len(parts) > 1:
+                    ours.add(parts[1])
+                else:
+                    others.add(parts[0])
+    return ours - {"__init__"}, others
+
+
+MODULES = sorted(p.stem for p in SRC.glob("*.py") if p.stem not in ("__init__", "__main__"))
+GRAPH = {m: imports_of(m) for m in MODULES}
+
+
+def reachable(start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for dep in GRAPH[todo.pop()][0]:
+            if dep not in seen and dep in GRAPH:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_every_module_is_in_one_room():
+    assert set(MODULES) <= CORE | FRONT | WORKER | {"relay", "_vendor"}, (
+        set(MODULES) - CORE - FRONT - WORKER
+    )
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_no_import_circles(module):
+    assert module not in reachable(module)
+
+
+@pytest.mark.parametrize("module", sorted(CORE))
+def test_the_core_knows_no_front_end(module):
+    deps = reachable(module) | {module}
+    assert not deps & FRONT, f"{module} reaches {sorted(deps & FRONT)}"
+    used = set().union(*(GRAPH[d][1] for d in deps))
+    assert not used & set(FRONT_END_LIBRARIES), f"{module} imports {used}"
+
+
+@pytest.mark.parametrize("module", sorted(WORKER))
+def test_the_worker_knows_no_notebook(module):
+    deps = reachable(module) | {module}
+    assert not deps & (NOTEBOOK_SIDE | FRONT), f"{module} reaches {sorted(deps & NOTEBOOK_SIDE)}"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_each_room_is_of_a_size_one_can_hold_in_mind(module):
+    lines = len((SRC / f"{module}.py").read_text().splitlines())
+    assert lines <= MAX_LINES, f"{module}.py has {lines} lines: split it"
+
+
+def test_the_checks_can_see_a_circle_and_an_upward_import():
+    saved = dict(GRAPH)
+    try:
+        GRAPH["hub"] = (GRAPH["hub"][0] | {"pool"}, GRAPH["hub"][1] | {"IPython"})
+        assert "hub" in reachable("hub")
+        assert "IPython" in set().union(*(GRAPH[d][1] for d in reachable("roster")))
+    finally:
+        GRAPH.clear()
+        GRAPH.update(saved)
