@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "nbddp"
 CORE = {
     "pool", "hub", "listener", "roster", "processes", "cell", "recovery", "outcome",
     "queries", "layout", "logs", "drive", "sigint", "supervisor", "launch", "payload",
-    "capture", "protocol", "events", "errors", "stacks", "streams",
+    "capture", "protocol", "events", "errors", "stacks", "streams", "sizes",
 }  # fmt: skip
 FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",

@@ -97,9 +97,11 @@ def test_a_cell_that_closes_its_stdout_ends_and_the_next_cells_run(healthy, clos
     assert not end.errors
     assert not end.exits
     assert pool.execute("rank") == list(range(n))
-    events, end = events_of(pool, "import sys\nprint('to stderr', rank, file=sys.stderr)")
+    events, end = events_of(
+        pool, "import sys\nprint('out', rank)\nprint('err', rank, file=sys.stderr)"
+    )
     said = "".join(e.text for e in events if isinstance(e, P.Output))
-    assert all(f"to stderr {r}" in said for r in range(n))
+    assert all(f"out {r}" in said and f"err {r}" in said for r in range(n)), said
     pool.restart()  # the next test gets ranks with both streams
 
 

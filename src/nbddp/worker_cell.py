@@ -7,6 +7,7 @@ The main thread runs :meth:`CellRunner.run`; the receiver thread calls the
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import os
 import pdb
@@ -303,8 +304,26 @@ class CellRunner:
         if self.relayed:  # the relay has all it wrote when Done comes (Unix sockets)
             return
         marker = P.end_marker(cell)
-        os.write(1, marker)
-        os.write(2, marker)
+        for fd, other in ((1, 2), (2, 1)):
+            _mark(fd, other, marker)
+
+
+def _mark(fd: int, other: int, marker: bytes) -> None:
+    """The end marker on ``fd``; a cell that closed it (``os.close(1)``) gets ``other``'s
+    stream there from now on (said once), and the rank lives on."""
+    try:
+        os.write(fd, marker)
+        return
+    except OSError:
+        pass
+    try:
+        os.dup2(other, fd)
+    except OSError:  # both closed: nothing can be said any more
+        return
+    name = {1: "stdout", 2: "stderr"}
+    note = f"nbddp: the cell closed this rank's {name[fd]}; it goes to {name[other]} now\n"
+    with contextlib.suppress(OSError):
+        os.write(other, note.encode())
 
 
 def _sigint_self() -> None:
