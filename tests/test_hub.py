@@ -1,0 +1,342 @@
+"""The hub alone (nbddp.hub): connections in, typed items out, no worker processes.
+
+A rank is played by hand: its control connection is one end of a ``Pipe``, its
+streams are socket pairs whose far end the test writes raw bytes into, and the
+rank table is a dict of small fakes with ``state``, ``link`` and ``send_bytes``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import threading
+from dataclasses import dataclass, field
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
+
+import pytest
+
+from nbddp import protocol as P
+from nbddp.hub import (
+    INLINE,
+    Closed,
+    Dones,
+    Gone,
+    Hub,
+    Link,
+    Mark,
+    Msg,
+    RelayLink,
+    Stream,
+    Text,
+)
+
+
+@dataclass
+class FakeRank:
+    state: str
+    link: Link
+    sent: list = field(default_factory=list)
+
+    def send_bytes(self, data: bytes) -> bool:
+        self.sent.append(data)
+        return True
+
+
+class Bench:
+    """A hub and the far ends of the connections it watches (closed at the end)."""
+
+    def __init__(self) -> None:
+        self.hellos: list = []
+        self.hub = Hub({}, lambda *a: self.hellos.append(a), list)
+        self._close: list = []
+
+    def direct(self, rank: int, state: str = "idle"):
+        """A rank connected directly: (its record, its control end, its stream ends)."""
+        ours, theirs = Pipe()
+        link = Link(conn=ours)
+        writers = {}
+        for name in ("stdout", "stderr"):
+            a, b = socket.socketpair()
+            stream = link.streams[name] = Stream(Connection(a.detach()), name)
+            self.hub.watch(stream.fd, (rank, stream))
+            writers[name] = b
+            self._close += [stream.conn, b]
+        self.hub.watch(ours.fileno(), (rank, None))
+        self._close += [ours, theirs]
+        r = self.hub.ranks[rank] = FakeRank(state, link)
+        return r, theirs, writers
+
+    def relay(self, ranks: dict[int, str]):
+        """A relay with ``ranks`` (rank -> state) behind it: (the link, the relay's end)."""
+        ours, theirs = Pipe()
+        relay = RelayLink(ours, P.RelayHello("hostb", 77))
+        self.hub.add_relay(relay)
+        for rank, state in ranks.items():
+            streams = {n: Stream(None, n) for n in ("stdout", "stderr")}
+            self.hub.ranks[rank] = FakeRank(state, Link(ours, relay, streams))
+            relay.ranks.add(rank)
+        self._close += [ours, theirs]
+        return relay, theirs
+
+    def close(self) -> None:
+        for c in self._close:
+            c.close()
+        self.hub.close()
+
+
+@pytest.fixture
+def bench():
+    b = Bench()
+    yield b
+    b.close()
+
+
+def pump(hub: Hub) -> list:
+    """What the hub has now (everything the test wrote is readable before this)."""
+    return hub.pump(10.0)
+
+
+def frame(*items) -> bytes:
+    return pickle.dumps(list(items))
+
+
+# ---------------------------------------------------------------- streams
+
+
+def test_text_and_an_end_marker_split_over_two_writes_come_out_in_order(bench):
+    _, _, w = bench.direct(0)
+    marker = P.end_marker(3)
+    w["stdout"].sendall(b"hello " + marker[:6])
+    assert pump(bench.hub) == [Text(0, "stdout", "hello ")]  # the marker's start held back
+    w["stdout"].sendall(marker[6:] + b"after" + P.end_marker(4))
+    assert pump(bench.hub) == [
+        Mark(0, "stdout", 3),
+        Text(0, "stdout", "after"),
+        Mark(0, "stdout", 4),
+    ]
+
+
+def test_each_stream_keeps_its_own_pieces(bench):
+    _, _, w = bench.direct(0)
+    w["stdout"].sendall(b"out" + P.end_marker(1))
+    w["stderr"].sendall(b"err" + P.end_marker(1))
+    items = pump(bench.hub)
+    assert [i for i in items if i.stream == "stdout"] == [
+        Text(0, "stdout", "out"),
+        Mark(0, "stdout", 1),
+    ]
+    assert [i for i in items if i.stream == "stderr"] == [
+        Text(0, "stderr", "err"),
+        Mark(0, "stderr", 1),
+    ]
+
+
+def test_utf8_split_across_reads_is_decoded_whole(bench):
+    _, _, w = bench.direct(0)
+    data = "aé€b".encode()  # é: 2 bytes, €: 3 bytes
+    w["stdout"].sendall(data[:2])  # "a" and half of é
+    assert pump(bench.hub) == [Text(0, "stdout", "a")]
+    w["stdout"].sendall(data[2:4])  # the rest of é, the first byte of €
+    assert pump(bench.hub) == [Text(0, "stdout", "é")]
+    w["stdout"].sendall(data[4:])
+    assert pump(bench.hub) == [Text(0, "stdout", "€b")]
+
+
+def test_a_stream_that_closes_gives_closed_once_and_what_it_held(bench):
+    _, _, w = bench.direct(0)
+    w["stdout"].sendall(b"x\x00nbddp-")  # could be a marker's start: held back
+    assert pump(bench.hub) == [Text(0, "stdout", "x")]
+    w["stdout"].close()
+    assert pump(bench.hub) == [Text(0, "stdout", "\x00nbddp-"), Closed(0, "stdout")]
+    assert bench.hub.pump(0) == []  # unwatched: no second Closed
+    assert bench.hub.ranks[0].link.open_streams() == {"stderr"}
+
+
+# ---------------------------------------------------------------- control
+
+
+def test_a_control_message_is_a_msg(bench):
+    _, control, _ = bench.direct(2)
+    control.send_bytes(P.dumps(P.Progress(3, 10, "epochs")))
+    assert pump(bench.hub) == [Msg(2, P.Progress(3, 10, "epochs"))]
+
+
+def test_a_closed_control_connection_is_gone(bench):
+    _, control, _ = bench.direct(1)
+    control.close()
+    assert pump(bench.hub) == [Gone(1)]
+
+
+def test_a_dead_ranks_connections_are_unwatched_and_give_nothing(bench):
+    r, control, w = bench.direct(0)
+    r.state = "dead"
+    control.send_bytes(P.dumps(P.Progress(1, 2)))
+    w["stdout"].sendall(b"late")
+    assert pump(bench.hub) == []
+    r.state = "idle"  # even wanted again, the hub no longer reads those fds
+    assert bench.hub.pump(0) == []
+
+
+def test_a_rank_without_a_connection_is_unwatched(bench):
+    r, control, _ = bench.direct(0)
+    r.link.conn = None  # the pool closed it
+    control.send_bytes(P.dumps(P.Progress(1, 2)))
+    assert pump(bench.hub) == []
+    assert bench.hub.pump(0) == []
+
+
+def test_wake_ends_a_pump_without_timeout_from_another_thread(bench):
+    bench.direct(0)
+    waker = threading.Thread(target=bench.hub.wake)
+    waker.start()
+    assert bench.hub.pump(None) == []  # (pytest-timeout ends the test if it never returns)
+    waker.join()
+
+
+def test_an_arrived_connection_is_attached_in_the_pumps_thread(bench):
+    ours, theirs = Pipe()
+    hello = P.StreamHello(0, 1, "stdout")
+    seen = []
+    bench.hub.on_hello = lambda *a: seen.append((threading.current_thread(), a))
+    t = threading.Thread(target=bench.hub.arrive, args=(ours, hello))
+    t.start()
+    t.join()
+    assert seen == []  # not in the listener's thread
+    assert bench.hub.pump(None) == []
+    assert seen == [(threading.current_thread(), (ours, hello, None))]
+    ours.close()
+    theirs.close()
+
+
+def test_an_exit_sentinel_gives_gone_for_ranks_that_ended_once_each(bench):
+    _, control, _ = bench.direct(0)
+    bench.direct(1)
+    r_fd, w_fd = os.pipe()
+    bench.hub.sentinels = lambda: [r_fd]
+    bench.hub.exits = lambda: [0, 1]
+    control.close()  # rank 0's control connection ends too
+    os.close(w_fd)  # the sentinel becomes readable
+    try:
+        items = pump(bench.hub)
+        assert sorted(i.rank for i in items) == [0, 1]
+        assert all(type(i) is Gone for i in items)
+    finally:
+        bench.hub.unwatch(r_fd)
+        os.close(r_fd)
+
+
+# ---------------------------------------------------------------- relays
+
+
+def test_relay_frames_become_the_same_items_dead_ranks_filtered(bench):
+    relay, far = bench.relay({1: "running", 2: "running", 3: "dead"})
+    done = P.Done(7, "ok", value_repr="1")
+    hello = P.Hello(4, 5, 0, 1, 999, "hostb", False)
+    far.send_bytes(
+        frame(
+            ("out", 1, "stdout", b"hi "),
+            ("out", 3, "stdout", b"from the dead"),
+            ("done", (1, 2, 3), P.dumps(done)),
+            ("msg", 2, P.dumps(P.Progress(1, 2))),
+            ("msg", 3, P.dumps(P.Progress(1, 2))),
+            ("gone", 3),
+            ("gone", 2),
+            ("hello", 4, P.dumps(hello)),
+        )
+    )
+    assert pump(bench.hub) == [
+        Text(1, "stdout", "hi "),
+        Dones((1, 2), done),
+        Msg(2, P.Progress(1, 2)),
+        Gone(2),
+    ]
+    assert bench.hellos == [(relay.conn, hello, relay)]
+
+
+def test_relayed_utf8_is_decoded_across_frames(bench):
+    _, far = bench.relay({1: "running"})
+    e = "é".encode()
+    far.send_bytes(frame(("out", 1, "stderr", b"a" + e[:1])))
+    assert pump(bench.hub) == [Text(1, "stderr", "a")]
+    far.send_bytes(frame(("out", 1, "stderr", e[1:] + b"b")))
+    assert pump(bench.hub) == [Text(1, "stderr", "éb")]
+
+
+def test_relayed_end_markers_and_text_split_over_frames(bench):
+    _, far = bench.relay({1: "running"})
+    far.send_bytes(frame(("out", 1, "stdout", b"a\x00nbddp-en")))
+    assert pump(bench.hub) == [Text(1, "stdout", "a")]
+    far.send_bytes(frame(("out", 1, "stdout", b"d-4\x00b")))
+    assert pump(bench.hub) == [Mark(1, "stdout", 4), Text(1, "stdout", "b")]
+
+
+def test_a_closed_relay_is_gone_for_each_live_rank_behind_it(bench):
+    relay, far = bench.relay({1: "running", 2: "idle", 3: "dead"})
+    far.close()
+    assert pump(bench.hub) == [Gone(1), Gone(2)]
+    assert relay.conn.closed
+    assert bench.hub.pump(0) == []  # unwatched: said once
+
+
+# ---------------------------------------------------------------- sending
+
+
+def test_deliver_sends_one_frame_per_relay_and_directly_to_the_others(bench):
+    r0, _, _ = bench.direct(0)
+    _, far_a = bench.relay({1: "idle", 2: "idle", 3: "dead"})
+    _, far_b = bench.relay({4: "idle"})
+    data = P.dumps(P.Run(5, "x = 1"))
+    bench.hub.deliver([0, 1, 2, 3, 4], data, cell=5)
+    assert r0.sent == [data]
+    assert pickle.loads(far_a.recv_bytes()) == ((1, 2), 5, data)
+    assert not far_a.poll(0)  # one frame for both ranks
+    assert pickle.loads(far_b.recv_bytes()) == ((4,), 5, data)
+    assert not far_b.poll(0)
+
+
+def test_a_big_message_follows_its_frame_as_it_is(bench):
+    _, far = bench.relay({1: "idle", 2: "idle"})
+    data = b"\x01" * (INLINE + 1)
+    # (in a thread: the message may be more than the socket holds before it is read)
+    sender = threading.Thread(target=bench.hub.deliver, args=([1, 2], data))
+    sender.start()
+    assert pickle.loads(far.recv_bytes()) == ((1, 2), 0, None)
+    assert far.recv_bytes() == data
+    sender.join()
+    small = b"\x02" * INLINE  # at the limit: inside the frame
+    bench.hub.deliver([1], small)
+    assert pickle.loads(far.recv_bytes()) == ((1,), 0, small)
+    assert not far.poll(0)
+
+
+# ---------------------------------------------------------------- log and drain
+
+
+def test_the_log_sees_every_text_and_no_marker(bench):
+    _, _, w = bench.direct(0)
+    _, far = bench.relay({1: "running"})
+    logged = []
+    bench.hub.log = lambda *a: logged.append(a)
+    w["stdout"].sendall(b"one" + P.end_marker(1) + b"two")
+    w["stderr"].sendall(b"three")
+    far.send_bytes(frame(("out", 1, "stdout", b"four")))
+    items = pump(bench.hub)
+    texts = [(i.rank, i.stream, i.text) for i in items if type(i) is Text]
+    assert sorted(logged) == sorted(texts)
+    assert sorted(logged) == sorted(
+        [(0, "stdout", "one"), (0, "stdout", "two"), (0, "stderr", "three"), (1, "stdout", "four")]
+    )
+    w["stdout"].sendall(b"five")
+    w["stdout"].close()
+    assert [i.text for i in bench.hub.drain(0)] == ["five"]
+    assert logged[-1] == (0, "stdout", "five")
+
+
+def test_drain_gives_what_a_rank_wrote_without_waiting(bench):
+    _, _, w = bench.direct(0)
+    w["stdout"].sendall(b"last words" + P.end_marker(2))
+    w["stderr"].sendall(b"err")  # still open: drain does not wait for its end
+    drained = bench.hub.drain(0)
+    assert drained == [Text(0, "stdout", "last words"), Text(0, "stderr", "err")]

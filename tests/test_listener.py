@@ -1,0 +1,240 @@
+"""The listener alone (nbddp.listener): accept, authenticate, refuse and count.
+
+Peers are played by hand on a Unix socket: ``multiprocessing.connection.Client``
+with the right or a wrong token, raw sockets that send garbage or nothing.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import queue
+import socket
+import struct
+import threading
+from multiprocessing.connection import AuthenticationError, Client
+
+import pytest
+
+from nbddp import listener as L
+from nbddp import protocol as P
+
+TOKEN = b"the-pools-token"
+WAIT = 30  # seconds a queue is waited on before the test fails (never reached when it passes)
+
+
+def hello(rank: int = 0) -> P.Hello:
+    return P.Hello(rank, 2, rank, 2, 1000 + rank, "here", False)
+
+
+class Recording(L.Listener):
+    """A listener whose refusals also go to a queue, to wait on them without sleeping."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.refused_q: queue.SimpleQueue = queue.SimpleQueue()
+
+    def refuse_line(self, line: str) -> None:
+        super().refuse_line(line)
+        self.refused_q.put(line)
+
+    def next_refusal(self) -> str:
+        return self.refused_q.get(timeout=WAIT)
+
+
+class Flaky(socket.socket):
+    """A listening socket whose next ``fail`` accepts fail as with too many open files."""
+
+    fail = 0
+
+    def accept(self):
+        if self.fail:
+            self.fail -= 1
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return super().accept()
+
+
+@pytest.fixture
+def path(tmp_path):
+    return str(tmp_path / "pool.sock")
+
+
+@pytest.fixture
+def started(path):
+    """Start a listener (``started(sock=None)``); each is closed and its thread joined."""
+    made = []
+
+    def start(sock=None, name="t-listen"):
+        peers: queue.SimpleQueue = queue.SimpleQueue()
+        lis = Recording(
+            sock or L.bind_unix(path), TOKEN, lambda *a: peers.put(a), name=name
+        ).start()
+        lis.peers = peers
+        made.append(lis)
+        return lis
+
+    yield start
+    for lis in made:
+        lis.close()  # its thread ends within 0.5 s (test_close_... joins one)
+
+
+def good_peer(path: str, msg: object = None):
+    c = Client(path, family="AF_UNIX", authkey=TOKEN)
+    c.send_bytes(P.dumps(msg or hello()))
+    return c
+
+
+def test_a_good_peer_reaches_on_peer_with_its_hello_and_raw_bytes(started, path):
+    lis = started()
+    c = good_peer(path, hello(1))
+    conn, got, raw = lis.peers.get(timeout=WAIT)
+    assert got == hello(1)
+    assert raw == P.dumps(hello(1))
+    conn.send_bytes(b"reply")  # the connection is the peer's, authenticated both ways
+    assert c.recv_bytes() == b"reply"
+    assert lis.refusals() == []
+    conn.close()
+    c.close()
+
+
+def test_a_wrong_token_is_refused(started, path):
+    lis = started()
+    with pytest.raises(AuthenticationError):
+        Client(path, family="AF_UNIX", authkey=b"another token")
+    assert "AuthenticationError" in lis.next_refusal()
+    assert lis.peers.empty()
+    assert len(lis.refusals()) == 1
+    assert "AuthenticationError" in lis.refusals()[0]
+
+
+def test_garbage_is_refused(started, path):
+    lis = started()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        s.sendall(struct.pack("!i", 7) + b"garbage")  # a frame, but no answer to the challenge
+        line = lis.next_refusal()
+    assert line.startswith("refused a connection: ")
+    assert lis.peers.empty()
+
+
+@pytest.mark.parametrize(
+    ("first", "says"),
+    [
+        (b"not a pickle at all", "UnpicklingError"),
+        (pickle.dumps({"a": "dict"}), "not a protocol message: dict"),
+    ],
+)
+def test_an_authenticated_peer_whose_hello_is_not_a_message_is_refused(started, path, first, says):
+    lis = started()
+    c = Client(path, family="AF_UNIX", authkey=TOKEN)
+    c.send_bytes(first)
+    assert says in lis.next_refusal()
+    assert lis.peers.empty()
+    c.close()
+
+
+def test_a_silent_peer_does_not_delay_a_good_peer_after_it(started, path, monkeypatch):
+    monkeypatch.setattr(L, "READ_TIMEOUT", 3600)  # the silent one would wait an hour
+    lis = started()
+    silent = socket.socket(socket.AF_UNIX)
+    silent.connect(path)
+    silent.recv(1)  # the listener is now waiting for its answer to the challenge
+    c = good_peer(path, hello(1))
+    assert lis.peers.get(timeout=WAIT)[1] == hello(1)
+    assert lis.refusals() == []  # the silent one still waits
+    silent.close()  # it goes: now it is refused
+    assert lis.next_refusal().startswith("refused a connection: ")
+    assert lis.peers.empty()
+    c.close()
+
+
+def _future_message(monkeypatch) -> bytes:
+    """The pickle of a message class that ``nbddp.protocol`` of this version lacks."""
+
+    class NoSuchMessage:
+        pass
+
+    NoSuchMessage.__module__ = "nbddp.protocol"
+    NoSuchMessage.__qualname__ = "NoSuchMessage"
+    monkeypatch.setattr(P, "NoSuchMessage", NoSuchMessage, raising=False)
+    data = pickle.dumps(NoSuchMessage())
+    monkeypatch.delattr(P, "NoSuchMessage")
+    return data
+
+
+def test_a_hello_naming_a_class_this_version_lacks_says_another_version(started, path, monkeypatch):
+    data = _future_message(monkeypatch)
+    assert b"NoSuchMessage" in data
+    lis = started()
+    c = Client(path, family="AF_UNIX", authkey=TOKEN)
+    c.send_bytes(data)
+    line = lis.next_refusal()
+    assert "another nbddp version" in line
+    assert f"protocol {P.PROTOCOL_VERSION}" in line
+    assert "NoSuchMessage" in line
+    c.close()
+
+
+def test_a_hundred_refusals_for_one_reason_are_one_line(started, path):
+    lis = started()
+    for _ in range(100):
+        with pytest.raises(AuthenticationError):
+            Client(path, family="AF_UNIX", authkey=b"wrong")
+    lines = {lis.next_refusal() for _ in range(100)}
+    assert len(lines) == 1
+    assert lis.refusals() == [f"{lines.pop()} (100 times)"]
+
+
+def test_distinct_reasons_are_capped():
+    lis = L.Listener(socket.socket(socket.AF_UNIX), TOKEN, lambda *a: None)
+    for i in range(L.REASONS_KEPT + 8):
+        lis.refuse(("10.0.0.9", 4000 + i), f"reason {i}")
+    lis.refuse(("10.0.0.9", 1), "reason 0")  # a reason already kept is still counted
+    lines = lis.refusals()
+    assert len(lines) == L.REASONS_KEPT + 1
+    assert lines[0] == "refused a connection from 10.0.0.9: reason 0 (2 times)"
+    assert lines[-1] == "refused connections for other reasons too (8 times)"
+    lis.sock.close()
+
+
+def test_taking_the_refusals_empties_them():
+    lis = L.Listener(socket.socket(socket.AF_UNIX), TOKEN, lambda *a: None)
+    lis.refuse_line("refused rank 9 of a world of 10: this pool waits for 2 ranks")
+    assert lis.refusals(take=True) == [
+        "refused rank 9 of a world of 10: this pool waits for 2 ranks"
+    ]
+    assert lis.refusals() == []
+    assert lis.refusals(take=True) == []
+    lis.sock.close()
+
+
+def test_the_accept_loop_survives_a_failed_accept(started, path):
+    sock = L.bind_unix(path)
+    flaky = Flaky(fileno=sock.detach())
+    flaky.fail = 1
+    lis = started(flaky)
+    c = good_peer(path, hello(1))  # its first accept fails; the next one takes it
+    assert lis.peers.get(timeout=WAIT)[1] == hello(1)
+    assert flaky.fail == 0
+    (line,) = lis.refusals()
+    assert "accepting failed" in line
+    assert "still listening" in line
+    c2 = good_peer(path, hello(0))  # and it goes on accepting
+    assert lis.peers.get(timeout=WAIT)[1] == hello(0)
+    c.close()
+    c2.close()
+
+
+def test_close_stops_accepting_and_leaves_no_thread(started, path):
+    lis = started(name="t-closing")
+    (accepting,) = [t for t in threading.enumerate() if t.name == "t-closing-accept"]
+    assert lis.open
+    lis.close()
+    assert not lis.open
+    accepting.join(WAIT)  # it sees the close within its 0.5 s select cycle
+    assert not accepting.is_alive()
+    with pytest.raises(ConnectionRefusedError):
+        Client(path, family="AF_UNIX", authkey=TOKEN)
+    lis.refuse_line("still readable")
+    assert lis.refusals() == ["still readable"]
