@@ -15,8 +15,9 @@ import pytest
 from nbddp import payload
 from nbddp import protocol as P
 from nbddp.cell import Cell, Requests
-from nbddp.hub import Closed, Dones, Gone, Mark, Msg, RelayLink, Stream, Text
+from nbddp.hub import Closed, Dones, Gone, Mark, Msg, RelayLink, Text
 from nbddp.roster import Roster
+from nbddp.streams import Stream
 
 CELL = 1
 IN_REDUCE = (

@@ -28,9 +28,9 @@ from nbddp.hub import (
     Mark,
     Msg,
     RelayLink,
-    Stream,
     Text,
 )
+from nbddp.streams import Stream
 
 
 @dataclass
