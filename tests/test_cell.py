@@ -227,6 +227,14 @@ def test_a_done_of_another_cell_is_not_this_cells():
     assert end_of(events).errors == {}
 
 
+def test_a_done_says_the_ranks_names():
+    pool = FakePool(2)
+    pool.roster[1].names = frozenset({"kept"})
+    run_cell(pool, [[Msg(0, ok(names=("model", "x"))), *marks(0), Msg(1, ok()), *marks(1)]])
+    assert pool.roster[0].names == {"model", "x"}
+    assert pool.roster[1].names == {"kept"}  # no names: unchanged
+
+
 def test_dones_of_a_relayed_group_end_it_in_one_step():
     pool = FakePool(4, relay=True)
     events = run_cell(pool, [[Dones((0, 1, 2), ok())], [Dones((3,), ok())]])
