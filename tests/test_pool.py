@@ -222,6 +222,24 @@ def test_every_start_method_runs_cells_and_stop_leaves_no_process(method):
     assert wait_gone(pids + ([helper] if helper else [])) == []
 
 
+def _epoll_targets(pool: Pool) -> set[int]:
+    """The fds the kernel's epoll set of the pool's hub holds (not the selector's map)."""
+    fd = pool.hub._selector.fileno()
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        return {int(line.split()[1]) for line in f if line.startswith("tfd:")}
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn", "fork"])
+def test_after_a_restart_every_exit_sentinel_is_watched(method):
+    with Pool(2, start_method=method) as pool:
+        pool.execute("rank")
+        pool.restart()
+        pool.hub.pump(0)  # (registers the sentinels of the moment)
+        sentinels = {s if isinstance(s, int) else s.fileno() for s in pool.procs.sentinels()}
+        assert sentinels
+        assert sentinels <= _epoll_targets(pool)
+
+
 def test_children_a_rank_started_end_with_the_pool():
     pool = Pool(1).start()
     (child,) = pool.execute("import subprocess\nsubprocess.Popen(['sleep', '60']).pid")

@@ -188,6 +188,20 @@ def test_an_attached_pool_refuses_a_hello_of_another_world_size():
     assert ros.ranks == {}
 
 
+@pytest.mark.parametrize("attached", [False, True])
+def test_a_second_hello_for_a_connected_rank_is_refused_and_the_first_kept(attached):
+    ros = roster(2, attached=attached)
+    refused = []
+    ros.refuse = refused.append
+    first = connect(ros, 1)
+    again = FakeConn()
+    ros.attach(again, hello(1))
+    assert again.closed
+    assert ros[1].link.conn is first["control"]
+    assert [w for w in ros.hub.watched if w[1] == (1, None)] == [(first["control"].fd, (1, None))]
+    assert refused == ["refused a second connection for rank 1: it is connected"]
+
+
 def test_a_stream_before_its_hello_is_kept_and_attached_after():
     ros = roster(2, attached=True)
     out, err, control = FakeConn(), FakeConn(), FakeConn()

@@ -185,6 +185,13 @@ class Hub:
             relay.conn.close()
         self.relays.clear()
 
+    def forget_sentinels(self) -> None:
+        """The launcher's ranks were reaped (their pidfds closed): the next ranks' sentinels
+        may reuse those fd numbers, and must be registered anew."""
+        for fd in self._sentinel_fds:
+            self.unwatch(fd)
+        self._sentinel_fds = set()
+
     def _watch_sentinels(self) -> None:
         """Keep the launcher's exit sentinels registered."""
         fds = {o if isinstance(o, int) else o.fileno() for o in self.sentinels()}

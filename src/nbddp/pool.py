@@ -265,6 +265,7 @@ class Pool:
         for r in ranks:
             r.send(P.Shutdown())
         self.reap(ranks, time.monotonic() + timeout)
+        self.hub.forget_sentinels()  # reaped: their fd numbers may come back for others
         for r in ranks:
             for conn in r.link.connections():
                 self.hub.unwatch_conn(conn)

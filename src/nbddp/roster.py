@@ -156,6 +156,11 @@ class Roster:
             if relay is None:
                 conn.close()
             raise _version_error(f"rank {hello.rank}", hello.version)
+        if r.link.conn is not None:  # its control connection is there: this one is not it
+            if relay is None:
+                conn.close()
+            self.refuse(f"refused a second connection for rank {r.rank}: it is connected")
+            return
         r.link.conn, r.link.relay, r.pid, r.host = conn, relay, hello.pid, hello.host
         if relay is None:
             self.hub.watch(conn.fileno(), (r.rank, None))
