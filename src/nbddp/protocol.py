@@ -36,24 +36,12 @@ import pickle
 import re
 from dataclasses import dataclass, field
 
-from .events import (
-    CellEnd,
-    Output,
-    RankDebug,
-    RankDisplay,
-    RankExit,
-    RankProgress,
-    RankResult,
-    RankState,
-    RankStates,
-    RankWhere,
-    Tick,
-)
+from . import events
+from .events import *  # noqa: F403 (the events a pool yields, as P.Output, ...)
 
 __all__ = [
     "PROTOCOL_VERSION",
     "AbortGroup",
-    "CellEnd",
     "DebugInput",
     "DebugPrompt",
     "Display",
@@ -63,18 +51,9 @@ __all__ = [
     "Hello",
     "Interrupt",
     "JoinGroup",
-    "Output",
     "Profile",
     "Progress",
     "Query",
-    "RankDebug",
-    "RankDisplay",
-    "RankExit",
-    "RankProgress",
-    "RankResult",
-    "RankState",
-    "RankStates",
-    "RankWhere",
     "Ready",
     "Reform",
     "RelayHello",
@@ -86,11 +65,11 @@ __all__ = [
     "StatusReply",
     "StorePort",
     "StreamHello",
-    "Tick",
     "dumps",
     "end_marker",
     "loads",
     "split_markers",
+    *events.__all__,
 ]
 
 PROTOCOL_VERSION = 4
