@@ -11,7 +11,6 @@ pool (:mod:`nbddp.recovery`).
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import time
 from dataclasses import dataclass
@@ -60,13 +59,10 @@ class Requests:
             self.request = None  # the cell ended: it was answered
 
 
-def make_runs(run: P.Run, targets: list[int], shown: set[int]) -> dict[int, P.Run]:
-    """Each target's Run: two messages at most (rich output shown from ``shown`` ranks or
-    not), so each is pickled once for every rank."""
-    runs = {
-        False: dataclasses.replace(run, display=False),
-        True: dataclasses.replace(run, display=True),
-    }
+def make_runs(targets: list[int], shown: set[int], **fields) -> dict[int, P.Run]:
+    """Each target's Run (``fields`` and whether it shows rich output): two messages at
+    most, so each is pickled once for every rank."""
+    runs = {display: P.Run(display=display, **fields) for display in (False, True)}
     return {r: runs[r in shown] for r in targets}
 
 
@@ -80,8 +76,8 @@ class Cell:
         self.out: Outcome | None = None
         self._events = self._run()
 
-    def __iter__(self) -> Cell:
-        return self
+    def __iter__(self):
+        return self._events  # (the generator itself: no call of ours per event)
 
     def __next__(self) -> object:
         return next(self._events)

@@ -372,20 +372,18 @@ class Pool:
             needs = capture.pack(needs, self.shm_folder)
         cell = next(self._cells)
         runs = make_runs(
-            P.Run(
-                cell,
-                code,
-                imports,
-                needs and needs.data,
-                auto and auto.data,
-                want_values,
-                shm=not self.attached,
-                script=script,
-                post_mortem=post_mortem,
-                profile=profile,
-            ),
             targets,
             {0} if display_ranks is None else set(display_ranks),
+            cell=cell,
+            code=code,
+            imports=imports,
+            needs=needs and needs.data,
+            auto=auto and auto.data,
+            want_value=want_values,
+            shm=not self.attached,
+            script=script,
+            post_mortem=post_mortem,
+            profile=profile,
         )
         self.requests.pending = cell  # an interrupt from now on is for this cell
         return Cell(self, cell, runs, timeout, tick, [s for s in (needs, auto) if s])
