@@ -1,17 +1,18 @@
 """Accept connections and have each peer prove it holds the pool's token.
 
 One implementation for the notebook's listener and for a host relay's. Every
-peer is handled in a thread of its own, so a slow or silent peer never holds
-up the others, and nothing it sends is unpickled before the HMAC challenge
-succeeds. A peer that fails is refused: the refusals are counted by reason
-and said in one folded line each (:meth:`Listener.refusals`), however
-many there were.
+peer is heard by one of a few threads (at most AUTH_THREADS handshakes in flight,
+threads reused), so a slow or silent peer never holds up the others, and nothing
+it sends is unpickled before the HMAC challenge succeeds. A peer that fails is
+refused: the refusals are counted by reason and said in one folded line each
+(:meth:`Listener.refusals`), however many there were.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import select
 import socket
 import struct
@@ -27,6 +28,8 @@ __all__ = ["Listener", "bind_tcp", "bind_unix"]
 HELLO_LIMIT = 1 << 16  # the first message after the handshake, at most
 READ_TIMEOUT = 5  # seconds each read of the handshake may take
 REASONS_KEPT = 32  # distinct refusal reasons remembered between two reports
+AUTH_THREADS = 32  # handshakes in flight at most; the threads are kept while there is work
+IDLE_EXIT = 2.0  # seconds an authenticating thread waits for more work before it ends
 
 
 def bind_unix(path: str, backlog: int = 256) -> socket.socket:
@@ -66,11 +69,16 @@ class Listener:
         on_peer: Callable[[Connection, object, bytes], None],
         *,
         name: str = "nbddp",
+        threads: int = AUTH_THREADS,
     ) -> None:
         self.sock, self.token, self.on_peer, self.name = sock, token, on_peer, name
         self._refused: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._open = True
+        self._peers: queue.SimpleQueue = queue.SimpleQueue()  # accepted, not yet heard
+        self._idle = 0  # authenticating threads waiting for a peer
+        self._threads = 0
+        self._most = threads  # 0: each peer heard in the accepting thread, one by one
 
     def start(self) -> Listener:
         threading.Thread(target=self._accept_loop, name=f"{self.name}-accept", daemon=True).start()
@@ -124,9 +132,36 @@ class Listener:
                 continue
             except ValueError:  # the listener was closed
                 return
-            threading.Thread(
-                target=self._authenticate, args=(sock, peer), name=f"{self.name}-auth", daemon=True
-            ).start()
+            self._hand_over(sock, peer)
+
+    def _hand_over(self, sock: socket.socket, peer) -> None:
+        """To an authenticating thread: an idle one, else a new one (up to AUTH_THREADS;
+        beyond, the peer waits its turn). Threads are reused: at a thousand ranks
+        attaching at once, a thread per connection cost a third more time to attach."""
+        if not self._most:
+            self._authenticate(sock, peer)
+            return
+        self._peers.put((sock, peer))
+        with self._lock:
+            if self._idle or self._threads >= self._most:
+                return
+            self._threads += 1
+        threading.Thread(target=self._auth_loop, name=f"{self.name}-auth", daemon=True).start()
+
+    def _auth_loop(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            try:
+                sock, peer = self._peers.get(timeout=IDLE_EXIT)
+            except queue.Empty:
+                with self._lock:
+                    self._idle -= 1
+                    self._threads -= 1
+                return
+            with self._lock:
+                self._idle -= 1
+            self._authenticate(sock, peer)
 
     def _authenticate(self, sock: socket.socket, peer) -> None:
         try:
