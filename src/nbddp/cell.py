@@ -101,9 +101,9 @@ class Cell:
             grace=pool.grace,
             timeout=self.timeout,
         )
-        links = {r: pool.roster[r].link for r in targets}
+        table = pool.roster.ranks
         # a relay forwards a rank's Done after all it printed: no end markers to wait for
-        marks = {r: set() if link.relay else link.open_streams() for r, link in links.items()}
+        marks = {r: table[r].link.open_streams() for r in targets if not table[r].link.relay}
         self.out = Outcome(self.cell, targets, marks)
         pool.requests.active = self.cell
         yield from self._supervised(targets)
@@ -135,9 +135,10 @@ class Cell:
         by_message: dict[int, list[int]] = {}  # one pickle per message, one write per relay
         for rank in targets:
             by_message.setdefault(id(self.runs[rank]), []).append(rank)
+        table = self.pool.roster.ranks
         for some in by_message.values():
             for rank in some:
-                self.pool.roster[rank].state = "running"
+                table[rank].state = "running"
             self.pool.hub.deliver(some, P.dumps(self.runs[some[0]]), self.cell)
 
     def _after(self, notes: list[str]):
@@ -273,8 +274,9 @@ class Cell:
         if msg.cell != sup.cell:
             return []
         names = None if msg.names is None else frozenset(msg.names)
+        table = self.pool.roster.ranks
         for rank in ranks:
-            r = self.pool.roster[rank]
+            r = table[rank]
             r.state = "idle"
             if names is not None:
                 r.names = names
