@@ -77,6 +77,7 @@ class Listener:
         self._open = True
         self._peers: queue.SimpleQueue = queue.SimpleQueue()  # accepted, not yet heard
         self._idle = 0  # authenticating threads waiting for a peer
+        self._queued = 0  # peers accepted and not yet taken by a thread
         self._threads = 0
         self._most = threads  # 0: each peer heard in the accepting thread, one by one
 
@@ -141,10 +142,11 @@ class Listener:
         if not self._most:
             self._authenticate(sock, peer)
             return
-        self._peers.put((sock, peer))
         with self._lock:
-            if self._idle or self._threads >= self._most:
-                return
+            self._queued += 1
+            self._peers.put((sock, peer))
+            if self._queued <= self._idle or self._threads >= self._most:
+                return  # an idle thread takes it (or the peer waits its turn)
             self._threads += 1
         threading.Thread(target=self._auth_loop, name=f"{self.name}-auth", daemon=True).start()
 
@@ -161,6 +163,7 @@ class Listener:
                 return
             with self._lock:
                 self._idle -= 1
+                self._queued -= 1
             self._authenticate(sock, peer)
 
     def _authenticate(self, sock: socket.socket, peer) -> None:
