@@ -397,7 +397,9 @@ def test_soak_many_cells_leak_no_fds_threads_or_processes():
         fds0, threads0, children0 = before
         fds1, threads1, children1 = after
         assert all(b <= a + 2 for a, b in zip(fds0, fds1, strict=True)), (fds0, fds1)
-        assert threads1 == threads0, (before, after)
+        # none more (the notebook's authenticating threads end 2 s after their last
+        # handshake, so there may be fewer)
+        assert all(b <= a for a, b in zip(threads0, threads1, strict=True)), (before, after)
         assert children1 == children0, (before, after)
         assert os.getpid() == me.pid
 
