@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import healthy
 from nbddp import Pool
 
 
@@ -16,10 +17,7 @@ def shared_pool():
 @pytest.fixture
 def pool(shared_pool):
     """The session's 2-rank pool, healthy at the start of each test."""
-    if shared_pool.needs_restart or not shared_pool.started:
-        shared_pool.restart()
-    shared_pool.notes.clear()
-    return shared_pool
+    return healthy(shared_pool)
 
 
 @pytest.fixture

@@ -10,6 +10,14 @@ import psutil
 from nbddp import protocol as P
 
 
+def healthy(pool):
+    """``pool`` ready for a test: restarted if a death or a stop left it so, no old notes."""
+    if pool.needs_restart or not pool.started:
+        pool.restart()
+    pool.notes.clear()
+    return pool
+
+
 def collect(events):
     """Run a cell's events to the end: (text by (rank, stream), all events, CellEnd)."""
     text: dict[tuple[int, str], str] = {}

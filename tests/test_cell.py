@@ -76,7 +76,7 @@ class FakePool:
             r.link.streams = {s: Stream(None, s) for s in ("stdout", "stderr")}
         self.requests = Requests()
         self.abort_after, self.grace = 60.0, 120.0  # no deadline passes in a test
-        self.lost = False
+        self.state = "ready"
         self.logs = None
         self.notes: list[str] = []
         self.last_stacks: dict = {}
@@ -93,9 +93,13 @@ class FakePool:
     def send(self, ranks, msg) -> None:
         self.sent.append((tuple(ranks), msg))
 
+    @property
+    def needs_restart(self) -> bool:
+        return self.state == "lost"
+
     def lose(self) -> None:
         self.lose_calls += 1
-        self.lost = True
+        self.state = "lost"
 
     def drain(self, rank):
         yield P.Output(rank, "stderr", f"last words of {rank}\n")
@@ -107,7 +111,7 @@ class FakePool:
         for r in ranks:
             r.state, r.returncode = "dead", -15
 
-    def reform_group(self, timeout) -> None:
+    def handshake(self, timeout, _cancelled) -> None:  # (the ranks formed the group again)
         self.reforms.append(timeout)
 
     def interrupt(self) -> None:
@@ -417,7 +421,7 @@ def test_a_gone_rank_is_dead_and_the_pool_stops_the_others():
     assert P.RankState(1, "dead") in events
     assert P.RankState(0, "dead") in events
     assert pool.procs.killed == [1000]  # the live one
-    assert pool.lost
+    assert pool.needs_restart
     end = end_of(events)
     assert end.exits[1] == exit_1
     assert (end.exits[0].returncode, end.exits[0].stopped_by_pool) == (-15, True)
@@ -429,7 +433,7 @@ def test_a_gone_rank_already_dead_is_not_reported_again():
     pool.roster[1].state = "dead"
     events = run_cell(pool, [[Gone(1)], [Msg(0, ok()), *marks(0)]], ranks=[0])
     assert not any(isinstance(e, P.RankExit) for e in events)
-    assert not pool.lost
+    assert not pool.needs_restart
 
 
 def test_a_cell_that_destroyed_the_group_re_forms_it_quietly():

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from helpers import healthy
 from nbddp import CellFailed, Pool
 from nbddp import protocol as P
 from nbddp.drive import drive
@@ -23,25 +24,25 @@ def sized(request):
 
 
 @pytest.fixture
-def healthy(sized):
-    if sized.needs_restart or not sized.started:
-        sized.restart()
-    sized.notes.clear()
-    return sized
+def ready(sized):
+    return healthy(sized)
 
 
 def events_of(pool: Pool, code: str, **kwargs) -> tuple[list, P.CellEnd]:
+    """A cell's events and its end, driven as the magics drive them (Ctrl-C, pdb)."""
     events: list = []
-
-    class Keep:
-        handle = staticmethod(events.append)
-
-        @staticmethod
-        def close(_end) -> None:
-            pass
-
-    end = drive(pool, pool.run(code, **kwargs), Keep())
+    end = drive(pool, pool.run(code, **kwargs), _Keep(events))
     return events, end
+
+
+class _Keep:
+    """A sink that keeps every event."""
+
+    def __init__(self, events: list) -> None:
+        self.handle = events.append
+
+    def close(self, _end) -> None:
+        pass
 
 
 # ---------------------------------------------------------------- defect 1: --out
@@ -57,8 +58,8 @@ ONLY_ON_THE_RANKS = (
 
 
 @pytest.mark.timeout(120)
-def test_a_value_the_notebook_cannot_load_is_that_ranks_error_and_the_pool_goes_on(healthy):
-    pool = healthy
+def test_a_value_the_notebook_cannot_load_is_that_ranks_error_and_the_pool_goes_on(ready):
+    pool = ready
     n = pool.world_size
     events, end = events_of(pool, ONLY_ON_THE_RANKS, want_values=True)
     assert sorted(end.errors) == list(range(n))
@@ -72,8 +73,8 @@ def test_a_value_the_notebook_cannot_load_is_that_ranks_error_and_the_pool_goes_
 
 
 @pytest.mark.timeout(120)
-def test_a_value_some_ranks_cannot_send_back_fails_only_those(healthy):
-    pool = healthy
+def test_a_value_some_ranks_cannot_send_back_fails_only_those(ready):
+    pool = ready
     last = pool.world_size - 1
     code = ONLY_ON_THE_RANKS.replace("mod.Thing()", f"mod.Thing() if rank == {last} else rank")
     _, end = events_of(pool, code, want_values=True)
@@ -90,8 +91,8 @@ def test_a_value_some_ranks_cannot_send_back_fails_only_those(healthy):
     ["import os\nos.dup2(2, 1)\nprint('after', rank, flush=True)", "import os\nos.close(1)"],
     ids=["dup2", "close"],
 )
-def test_a_cell_that_closes_its_stdout_ends_and_the_next_cells_run(healthy, close):
-    pool = healthy
+def test_a_cell_that_closes_its_stdout_ends_and_the_next_cells_run(ready, close):
+    pool = ready
     n = pool.world_size
     events, end = events_of(pool, close)
     assert not end.errors
@@ -117,8 +118,8 @@ HELD_UP = (
 
 
 @pytest.mark.timeout(120)
-def test_an_interrupt_says_where_every_rank_was_the_one_that_held_the_others_up_too(healthy):
-    pool = healthy
+def test_an_interrupt_says_where_every_rank_was_the_one_that_held_the_others_up_too(ready):
+    pool = ready
     last = pool.world_size - 1
     events: list = []
     end = None
@@ -149,8 +150,8 @@ STUCK_IN_REFORM = (
 
 
 @pytest.mark.timeout(50)  # the re-form waits 60 s for a rank: the stop button must end it
-def test_the_stop_button_ends_a_re_form_that_waits_for_a_rank(healthy):
-    pool = healthy
+def test_the_stop_button_ends_a_re_form_that_waits_for_a_rank(ready):
+    pool = ready
 
     def press_stop_once_it_waits() -> None:
         while not pool.requests.reforming:

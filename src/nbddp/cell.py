@@ -143,9 +143,9 @@ class Cell:
 
     def _after(self, notes: list[str]):
         pool, sup, out = self.pool, self.sup, self.out
-        if not pool.lost and sup.aborted_at is not None:
+        if not pool.needs_restart and sup.aborted_at is not None:
             yield from recovery.reform(pool, sup, out)
-        elif not pool.lost and any(d.needs_group for d in out.done.values()):
+        elif not pool.needs_restart and any(d.needs_group for d in out.done.values()):
             yield from recovery.reform(pool, sup, out, quiet=True)  # the cell destroyed it
         if sup.stacks_at_interrupt:
             pool.last_stacks = dict(sup.stacks_at_interrupt)

@@ -30,7 +30,7 @@ from . import protocol as P
 from .cell import Cell, Requests, make_runs
 from .drive import drive
 from .errors import NbddpError
-from .hub import Hub, Text
+from .hub import Hub
 from .layout import check_layout, check_options
 from .listener import Listener, bind_tcp, bind_unix
 from .logs import LogDir
@@ -111,7 +111,6 @@ class Pool:
         self.hub.exits = lambda: self.procs.exited(self.roster.pids())
         self.roster.hub = self.hub
         self._cells = itertools.count(1)
-        self._reforms = 0  # re-forms of the group, each named in the ranks' shared store
         self._generation = 0
 
     def __del__(self) -> None:
@@ -134,15 +133,6 @@ class Pool:
     def needs_restart(self) -> bool:
         """A rank died or was stopped: the next cell starts a new pool (state is lost)."""
         return self.state == "lost"
-
-    @property
-    def lost(self) -> bool:
-        return self.state == "lost"
-
-    @lost.setter
-    def lost(self, value: bool) -> None:
-        if value:
-            self.state = "lost"
 
     @property
     def refused(self) -> list[str]:
@@ -207,7 +197,7 @@ class Pool:
                 for rank in range(self.world_size):
                     env = rank_env(self, rank, self.token, self.procs.shm)
                     self.roster.add(rank, self.procs.start(rank, self.address, env))
-            self._handshake(self.start_timeout)
+            self.handshake(self.start_timeout)
             self._generation += 1
             self.state = "ready"
         except BaseException:
@@ -288,22 +278,8 @@ class Pool:
     def exit_code(self, r) -> int | None:
         return self.procs.returncode(r.pid, timeout=2.0)
 
-    def _handshake(self, timeout: float, cancelled=lambda: False) -> None:
+    def handshake(self, timeout: float, cancelled=lambda: False) -> None:
         self.roster.handshake(timeout, self.exit_code, self.procs.log_tail, cancelled)
-
-    def reform_group(self, timeout: float) -> None:
-        """Every rank forms the group again (namespaces kept); PoolStartError if not all
-        did within ``timeout``, or an interrupt ended the wait."""
-        self.roster.store_port = None
-        self._reforms += 1
-        for r in self.roster.ranks.values():
-            r.state = "starting"
-            r.send(P.Reform(self._reforms))
-        self.requests.reforming, self.requests.cancel_wait = True, False
-        try:
-            self._handshake(timeout, lambda: self.requests.cancel_wait)
-        finally:
-            self.requests.reforming = False
 
     # ------------------------------------------------------------ cells
 
@@ -318,16 +294,6 @@ class Pool:
     def drain(self, rank: int):
         for item in self.hub.drain(rank):
             yield P.Output(item.rank, item.stream, item.text)
-
-    def poll_idle(self) -> list:
-        """Take in whatever arrived between cells (output goes to the backlog)."""
-        if not self.roster.ranks:
-            return []
-        items = self.hub.pump(0)
-        for item in items:
-            if type(item) is Text:
-                self.roster.backlog.append(P.Output(item.rank, item.stream, item.text))
-        return items
 
     def run(
         self,

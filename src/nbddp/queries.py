@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from . import protocol as P
-from .hub import Gone, Msg, Text
+from .hub import Gone, Msg
 
 __all__ = ["RankStatus", "stacks", "status"]
 
@@ -29,15 +29,15 @@ def ask(pool, msg: object, reply: type, timeout: float) -> dict[int, object]:
     replies: dict[int, object] = {}
     deadline = time.monotonic() + timeout
     while len(replies) < len(live) and time.monotonic() < deadline:
-        for item in pool.hub.pump(max(0.0, deadline - time.monotonic())):
+        items = pool.hub.pump(max(0.0, deadline - time.monotonic()))
+        for item in items:
             kind = type(item)
             if kind is Msg and isinstance(item.msg, reply):
                 replies[item.rank] = item.msg
-            elif kind is Text:
-                pool.roster.backlog.append(P.Output(item.rank, item.stream, item.text))
             elif kind is Gone:
                 pool.roster[item.rank].state = "dead"
-                pool.lost = True
+                pool.state = "lost"
+        pool.roster.keep_output(items)
     return replies
 
 

@@ -40,7 +40,7 @@ def reform(pool, sup, out, quiet: bool = False):
     """Every rank joins a new group; namespaces stay. Fall back to stopping the pool."""
     t0 = time.monotonic()
     try:
-        pool.reform_group(REFORM_TIMEOUT)
+        _form_again(pool, REFORM_TIMEOUT)
     except PoolStartError as exc:
         pool.lose()
         pool.notes.append(
@@ -67,6 +67,22 @@ def reform(pool, sup, out, quiet: bool = False):
         "device meshes, subgroups) must be rebuilt"
         + (" (nbddp rebuilt `mesh` and `group`)" if pool.mesh or pool.groups else "")
     )
+
+
+def _form_again(pool, timeout: float) -> None:
+    """Every rank forms the group again (namespaces kept); PoolStartError if not all did
+    within ``timeout``, or an interrupt ended the wait."""
+    roster, requests = pool.roster, pool.requests
+    roster.store_port = None
+    roster.reforms += 1
+    for r in roster.ranks.values():
+        r.state = "starting"
+        r.send(P.Reform(roster.reforms))
+    requests.reforming, requests.cancel_wait = True, False
+    try:
+        pool.handshake(timeout, lambda: requests.cancel_wait)
+    finally:
+        requests.reforming = False
 
 
 def rank_died(pool, sup, out, r):
@@ -113,7 +129,7 @@ def stop_pool(pool, sup, out, action):
         if o.rank in action.ranks:
             out.exits[o.rank] = P.RankExit(o.rank, o.returncode, True, time.time())
             yield P.RankState(o.rank, "dead")
-    pool.lost = True
+    pool.state = "lost"
 
 
 def ready_for_a_cell(pool) -> None:
@@ -121,12 +137,14 @@ def ready_for_a_cell(pool) -> None:
     or an attached one that lost a rank (torchrun started those ranks, not us)."""
     if pool.state == "closed" and not pool.roster.ranks:
         raise PoolClosedError("the pool was stopped; start it again")
-    if pool.attached and (pool.lost or not pool.started):
+    if pool.attached and (pool.needs_restart or not pool.started):
         raise PoolClosedError(
             "the attached pool lost a rank: start torchrun again and attach again"
         )
-    gone = [i.rank for i in pool.poll_idle() if type(i) is Gone]
-    if gone or pool.lost:
+    items = pool.hub.pump(0) if pool.roster.ranks else []  # what came between cells
+    pool.roster.keep_output(items)
+    gone = [i.rank for i in items if type(i) is Gone]
+    if gone or pool.needs_restart:
         why = ", ".join(RankDied(rank, pool.exit_code(pool.roster[rank])).summary for rank in gone)
         pool.lose()
         pool.notes.append(

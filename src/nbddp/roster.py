@@ -66,6 +66,7 @@ class Roster:
         self.ranks: dict[int, Rank] = {}
         self.hub: Hub | None = None
         self.store_port: int | None = None  # the group's store, as rank 0 reported it
+        self.reforms = 0  # re-forms of the group, each named in the ranks' shared store
         self.backlog: list[P.Output] = []  # output between cells, said with the next
         self.on_join: Callable[[int, int], None] | None = None
         self.refuse: Callable[[str], None] = lambda _line: None
@@ -221,10 +222,14 @@ class Roster:
         self.ranks.clear()  # (the same dict: the hub reads it)
         self.ranks.update(joined)
 
+    def keep_output(self, items: list) -> None:
+        """Output that came outside a cell: said at the start of the next one."""
+        self.backlog += [P.Output(i.rank, i.stream, i.text) for i in items if type(i) is Text]
+
     def _handshake_item(self, item, exit_code, log_tail) -> None:
         kind = type(item)
         if kind is Text:
-            self.backlog.append(P.Output(item.rank, item.stream, item.text))
+            self.keep_output([item])
         elif kind is Gone:
             code = exit_code(self.ranks[item.rank])
             raise PoolStartError(
