@@ -236,7 +236,11 @@ def test_terminal_ipython_asks_on_its_stdin():
     """Terminal IPython, lines piped in as a user would type them."""
     typed = (
         "%load_ext nbddp\n"
-        "%%ddp -n 3 --text\nx = rank\nif rank == 2:\n    breakpoint()\nprint('after', rank)\n\n\n"
+        # ranks 0 and 1 wait for rank 2's session: their lines cannot fall between its
+        # prompt and its answer
+        "%%ddp -n 3 --text\nimport torch.distributed as dist\nx = rank\n"
+        "if rank != 2:\n    dist.barrier()\nif rank == 2:\n    breakpoint()\n"
+        "print('after', rank)\nif rank == 2:\n    dist.barrier()\n\n\n"
         "p x + 40\n"
         "c\n"
         "%ddp stop\n"
