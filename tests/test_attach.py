@@ -14,7 +14,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 from helpers import collect, free_port, wait_gone
-from nbddp import Pool, launch
+from nbddp import Pool, remote
 from nbddp.errors import CellFailed, PoolClosedError, PoolStartError
 from nbddp.pool import raise_for_end
 
@@ -22,7 +22,7 @@ from nbddp.pool import raise_for_end
 @pytest.fixture
 def token_file(tmp_path):
     path = tmp_path / "nbddp" / "token"
-    launch.read_or_create_token(str(path))
+    remote.read_or_create_token(str(path))
     return path
 
 
@@ -68,11 +68,11 @@ def end_all(procs) -> None:
 
 def test_the_token_file_is_made_private_and_reused(tmp_path):
     path = tmp_path / "dir" / "token"
-    first = launch.read_or_create_token(str(path))
+    first = remote.read_or_create_token(str(path))
     assert len(first) == 64
     assert oct(path.stat().st_mode & 0o777) == "0o600"
     assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
-    assert launch.read_or_create_token(str(path)) == first
+    assert remote.read_or_create_token(str(path)) == first
 
 
 @pytest.mark.timeout(240)
@@ -253,7 +253,7 @@ def test_attach_through_the_magic(token_file, tmp_path, capsys):
 
 
 def test_the_slurm_job_script_runs_torchrun_once_per_node():
-    script = launch.slurm_script(
+    script = remote.slurm_script(
         "--nodes 2 --gpus-per-node 8 --partition gpu",
         16,
         "nb.example:5555",
@@ -269,9 +269,9 @@ def test_the_slurm_job_script_runs_torchrun_once_per_node():
     assert '--rdzv-backend c10d --rdzv-endpoint "$head:29400"' in run
     assert run.endswith("-m nbddp.worker --connect nb.example:5555 --token-file '~/.nbddp/token'")
     with pytest.raises(ValueError, match="--nodes N"):
-        launch.slurm_script("--partition gpu", 16, "h:1", "t")
+        remote.slurm_script("--partition gpu", 16, "h:1", "t")
     with pytest.raises(ValueError, match="does not split over 3 nodes"):
-        launch.slurm_script("-N 3", 16, "h:1", "t")
+        remote.slurm_script("-N 3", 16, "h:1", "t")
 
 
 def test_a_wrong_world_size_is_refused(token_file, tmp_path):

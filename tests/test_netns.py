@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from nbddp import Pool, launch
+from nbddp import Pool, remote
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None,
@@ -67,7 +67,7 @@ def nodes():
 @pytest.mark.timeout(240)
 def test_ranks_on_two_hosts_attach_reduce_and_stop(nodes, tmp_path):
     token_file = tmp_path / "token"
-    token = launch.read_or_create_token(str(token_file))
+    token = remote.read_or_create_token(str(token_file))
     pool = Pool(2, listen=(NOTEBOOK_IP, 0), token=token, start_timeout=180)
     address = pool.listen()
     master_ip = nodes[0][2]

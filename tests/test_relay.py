@@ -23,7 +23,7 @@ import pytest
 
 import simranks
 from helpers import collect, free_port, wait_gone
-from nbddp import Pool, PoolClosedError, launch, relay
+from nbddp import Pool, PoolClosedError, relay, remote
 from nbddp import protocol as P
 from nbddp.pool import raise_for_end
 
@@ -231,7 +231,7 @@ def node(request, tmp_path_factory):
     n = request.param
     tmp = tmp_path_factory.mktemp(f"node{n}")
     token_file = tmp / "token"
-    launch.read_or_create_token(str(token_file))
+    remote.read_or_create_token(str(token_file))
     token = token_file.read_bytes().strip()
     pool = Pool(n, listen=("127.0.0.1", 0), token=token, start_timeout=180, abort_after=0.5)
     address = pool.listen()

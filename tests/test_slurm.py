@@ -17,7 +17,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 from helpers import free_port
-from nbddp import launch
+from nbddp import remote
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo")
 pytestmark = pytest.mark.skipif(
@@ -168,4 +168,4 @@ def test_attach_submits_a_real_slurm_job_and_uses_its_ranks(slurm, tmp_path, mon
             time.sleep(0.5)
     finally:
         shell.run_cell("%unload_ext nbddp")
-    assert launch.read_or_create_token(str(token_file))  # made for the job, 0600
+    assert remote.read_or_create_token(str(token_file))  # made for the job, 0600

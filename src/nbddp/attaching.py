@@ -11,7 +11,7 @@ import time
 
 from IPython.core.error import UsageError
 
-from . import launch
+from . import remote
 from .errors import PoolStartError
 from .pool import Pool
 from .session import say
@@ -25,7 +25,7 @@ def prepare(args) -> tuple[str, int, bytes]:
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
         raise UsageError(f"--listen takes HOST:PORT, not {args.listen!r}")
-    return host, int(port), launch.read_or_create_token(args.token_file)
+    return host, int(port), remote.read_or_create_token(args.token_file)
 
 
 def attach(args, host: str, port: int, token: bytes) -> Pool:
@@ -65,17 +65,17 @@ def _call_ranks(args, pool: Pool, host: str) -> None:
     if not args.slurm:
         say(
             f"listening on {address}; on each node run:\n"
-            + launch.torchrun_command(reachable, args.token_file, args.world_size)
+            + remote.torchrun_command(reachable, args.token_file, args.world_size)
         )
         return
     try:
-        script = launch.slurm_script(
+        script = remote.slurm_script(
             args.slurm, args.world_size, reachable, args.token_file, python=sys.executable
         )
     except ValueError as exc:
         pool.stop()
         raise UsageError(str(exc)) from None
-    say(f"submitted SLURM job {launch.submit_slurm(script)}")
+    say(f"submitted SLURM job {remote.submit_slurm(script)}")
 
 
 def _joined(connected: int, world_size: int) -> None:

@@ -100,6 +100,7 @@ class Cell:
             abort_after=pool.abort_after,
             grace=pool.grace,
             timeout=self.timeout,
+            replace_dead=recovery.can_replace(pool),
         )
         table = pool.roster.ranks
         # a relay forwards a rank's Done after all it printed: no end markers to wait for
@@ -143,13 +144,16 @@ class Cell:
 
     def _after(self, notes: list[str]):
         pool, sup, out = self.pool, self.sup, self.out
-        if not pool.needs_restart and sup.aborted_at is not None:
+        died = sorted(r for r, x in out.exits.items() if not x.stopped_by_pool)
+        if not pool.needs_restart and died:
+            yield from recovery.replace(pool, died)
+        elif not pool.needs_restart and sup.aborted_at is not None:
             yield from recovery.reform(pool, sup, out)
         elif not pool.needs_restart and any(d.needs_group for d in out.done.values()):
             yield from recovery.reform(pool, sup, out, quiet=True)  # the cell destroyed it
         if sup.stacks_at_interrupt:
             pool.last_stacks = dict(sup.stacks_at_interrupt)
-        end = out.end(sup, notes + pool.take_notes())
+        end = out.end(sup, notes + pool.take_notes(), kept=not pool.needs_restart)
         if not end.interrupted:  # a rank a peer's failure broke shows as freed, not red
             _, consequences = root_causes(failures_of(end))
             for f in consequences:

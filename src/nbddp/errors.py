@@ -153,13 +153,15 @@ class CellFailed(NbddpError):
         failures: list[RankFailed | RankDied],
         notes: list[str] | None = None,
         freed: tuple[int, ...] | list[int] = (),
+        kept: bool = False,
     ):
         self.failures, self.consequences = root_causes(list(failures), freed)
         self.notes = list(notes or [])
+        self.kept = kept  # the ranks freed kept their namespaces
         super().__init__(self._message())
 
     def _folded(self) -> list[str]:
-        """``ranks 1, 3: freed from a collective (all_reduce) after rank 2 failed``."""
+        """``ranks 1, 3: freed from a collective (all_reduce) after rank 2 failed; state kept``."""
         if not self.consequences:
             return []
         calls = sorted({f.collective for f in self.consequences if f.collective})
@@ -169,6 +171,7 @@ class CellFailed(NbddpError):
             + (f" ({', '.join(calls)})" if calls else "")
             + f" after {rank_label(cause.rank, cause.host)} "
             + ("died" if isinstance(cause, RankDied) else "failed")
+            + ("; state kept" if self.kept else "")
         ]
 
     def _message(self) -> str:

@@ -124,3 +124,4 @@ class CellEnd:
     stacks: dict[int, tuple] = field(default_factory=dict)  # where ranks were when interrupted
     freed: tuple[int, ...] = ()  # ranks whose group was aborted under them (consequences)
     profiles: dict[int, Profile] = field(default_factory=dict)  # with Run.profile
+    kept: bool = True  # the ranks that lived kept their namespaces (the pool was not stopped)

@@ -1,6 +1,7 @@
 """How ranks on this machine come to be: fork server (default), spawn, or fork.
 
-Every launcher starts ``nbddp.worker.main(argv)`` in a new session (so the
+Every launcher starts ``nbddp.worker.main(argv)`` (or the group's store,
+:mod:`nbddp.store`) in a new session (so the
 kernel's process group, and Jupyter's interrupts to it, never reach the
 workers directly) and reports exits. The pool waits on :meth:`Launcher.sentinels`
 together with the workers' connections, so a death is seen at once.
@@ -14,6 +15,7 @@ together with the workers' connections, so a death is seen at once.
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import socket
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import time
 import traceback
+from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 
 from .errors import PoolStartError
@@ -38,6 +41,20 @@ class Launcher:
 
     def start(self, argv: list[str], env: dict[str, str], log: str, cwd: str) -> int:
         """Start one worker; return its pid."""
+        return self._start("worker", argv, env, log, cwd, None)
+
+    def start_store(self, log: str, cwd: str) -> tuple[int, int]:
+        """Start the group's store (:mod:`nbddp.store`) on a port of 127.0.0.1 bound here;
+        (its pid, the port)."""
+        sock = socket.create_server(("127.0.0.1", 0), backlog=1024)
+        with sock:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("NBDDP_")}
+            pid = self._start("store", [], env, log, cwd, sock.fileno())
+            return pid, sock.getsockname()[1]
+
+    def _start(self, module, argv, env, log, cwd, fd: int | None) -> int:
+        """Start ``nbddp.<module>.main(argv)``; with ``fd``, it gets that file (its number
+        first in argv)."""
         raise NotImplementedError
 
     def sentinels(self) -> list:
@@ -72,8 +89,8 @@ def _exitcode(status: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def _child_main(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
-    """Become a worker in a new session; never returns."""
+def _child_main(module: str, argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
+    """Become a worker (or the store) in a new session; never returns."""
     code = 1
     try:
         os.setsid()
@@ -86,9 +103,7 @@ def _child_main(argv: list[str], env: dict[str, str], log: str, cwd: str) -> Non
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
-        from .worker import main
-
-        code = main(argv) or 0
+        code = importlib.import_module(f"nbddp.{module}").main(argv) or 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
@@ -133,16 +148,17 @@ class SpawnLauncher(_PidfdLauncher):
         super().__init__()
         self._procs: dict[int, subprocess.Popen] = {}
 
-    def start(self, argv, env, log, cwd) -> int:
+    def _start(self, module, argv, env, log, cwd, fd) -> int:
         with open(log, "ab") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "nbddp.worker", *argv],
+                [sys.executable, "-m", f"nbddp.{module}", *([str(fd)] if fd else []), *argv],
                 env=env,
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
                 start_new_session=True,
+                pass_fds=[fd] if fd else [],
             )
         self._procs[proc.pid] = proc
         self._track(proc.pid)
@@ -164,10 +180,10 @@ class ForkLauncher(_PidfdLauncher):
                 "(use the default 'forkserver', or 'spawn')"
             )
 
-    def start(self, argv, env, log, cwd) -> int:
+    def _start(self, module, argv, env, log, cwd, fd) -> int:
         pid = os.fork()
         if pid == 0:
-            _child_main(argv, env, log, cwd)
+            _child_main(module, [str(fd), *argv] if fd else argv, env, log, cwd)
         self._track(pid)
         return pid
 
@@ -201,8 +217,18 @@ class ForkServerLauncher(Launcher):
         except (EOFError, OSError):
             return None
 
-    def start(self, argv, env, log, cwd) -> int:
-        self._conn.send({"argv": argv, "env": env, "log": log, "cwd": cwd})
+    def _start(self, module, argv, env, log, cwd, fd) -> int:
+        request = {
+            "module": module,
+            "argv": argv,
+            "env": env,
+            "log": log,
+            "cwd": cwd,
+            "fd": bool(fd),
+        }
+        self._conn.send(request)
+        if fd:
+            reduction.send_handle(self._conn, fd, self._proc.pid)
         while True:
             msg = self._recv(timeout=30)
             if msg is None:
@@ -269,13 +295,23 @@ def _serve_forks(fd: int) -> None:
                 req = conn.recv()
             except (EOFError, OSError):
                 return  # the notebook is gone: the workers notice on their own
+            argv = req["argv"]
+            fd = reduction.recv_handle(conn) if req["fd"] else None
             pid = os.fork()
             if pid == 0:
                 signal.set_wakeup_fd(-1)
                 conn.close()
                 os.close(wake_r)
                 os.close(wake_w)
-                _child_main(req["argv"], req["env"], req["log"], req["cwd"])
+                _child_main(
+                    req["module"],
+                    [str(fd), *argv] if fd else argv,
+                    req["env"],
+                    req["log"],
+                    req["cwd"],
+                )
+            if fd is not None:
+                os.close(fd)
             conn.send({"pid": pid})
 
 
@@ -300,86 +336,3 @@ def make_launcher(method: str) -> Launcher:
         raise ValueError(
             f"unknown start method {method!r} (choose from {', '.join(START_METHODS)})"
         ) from None
-
-
-# ---------------------------------------------------------------- attach: ranks on other machines
-# torchrun (started by hand, or by SLURM) starts the workers; they connect back.
-
-DEFAULT_TOKEN_FILE = "~/.nbddp/token"
-
-
-def read_or_create_token(path: str = DEFAULT_TOKEN_FILE) -> bytes:
-    """The token in ``path``; a new random one (file mode 0600, folder 0700) if it is missing."""
-    import secrets
-
-    path = os.path.expanduser(path)
-    try:
-        with open(path, "rb") as f:
-            token = f.read().strip()
-        if token:
-            return token
-    except FileNotFoundError:
-        pass
-    os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-    token = secrets.token_hex(32).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(token + b"\n")
-    return token
-
-
-def worker_command(connect: str, token_file: str) -> str:
-    return f"-m nbddp.worker --connect {connect} --token-file {token_file}"
-
-
-def torchrun_command(connect: str, token_file: str, world_size: int) -> str:
-    """What to run on each node (NODES x GPUS_PER_NODE must be the world size)."""
-    return (
-        "torchrun --nnodes NODES --nproc-per-node GPUS_PER_NODE --rdzv-backend c10d "
-        "--rdzv-endpoint FIRST_NODE:29400 \\\n    "
-        + worker_command(connect, token_file)
-        + f"\n(NODES x GPUS_PER_NODE = {world_size})"
-    )
-
-
-def slurm_script(
-    sbatch_options: str, world_size: int, connect: str, token_file: str, python: str = "python"
-) -> str:
-    """A job script that runs torchrun once per node and so ``world_size`` workers.
-
-    ``sbatch_options`` must name ``--nodes N``; each node runs world_size / N ranks.
-    """
-    import re
-    import shlex
-
-    m = re.search(r"(?:--nodes[ =]|-N\s*)(\d+)", sbatch_options)
-    if not m:
-        raise ValueError("the SLURM options must say how many nodes (--nodes N)")
-    nodes = int(m.group(1))
-    if world_size % nodes:
-        raise ValueError(f"a world size of {world_size} does not split over {nodes} nodes")
-    per_node = world_size // nodes
-    options = shlex.split(sbatch_options)
-    lines = [
-        "#!/bin/bash",
-        "#SBATCH --job-name=nbddp",
-        f"#SBATCH {' '.join(shlex.quote(o) for o in options)}",
-        "#SBATCH --ntasks-per-node=1",
-        "#SBATCH --output=nbddp-%j.log",
-        "set -euo pipefail",
-        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"srun {shlex.quote(python)} -m torch.distributed.run --nnodes {nodes} "
-        f'--nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint "$head:29400" '
-        '--rdzv-id "$SLURM_JOB_ID" ' + worker_command(connect, shlex.quote(token_file)),
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def submit_slurm(script: str) -> str:
-    """``sbatch`` the script; return the job id."""
-    out = subprocess.run(
-        ["sbatch", "--parsable"], input=script, capture_output=True, text=True, check=False
-    )
-    if out.returncode != 0:
-        raise PoolStartError(f"sbatch failed: {out.stderr.strip() or out.stdout.strip()}")
-    return out.stdout.strip().split(";")[0]

@@ -7,10 +7,13 @@ import math
 from .ddp import check_device, parse_groups, parse_mesh
 from .launch import START_METHODS
 
-__all__ = ["check_layout", "check_options"]
+__all__ = ["ON_DEATH", "check_layout", "check_options"]
 
 
-def check_options(n, start_method, backend, listen, token, threads) -> None:
+ON_DEATH = ("replace", "restart")
+
+
+def check_options(n, start_method, backend, listen, token, threads, on_death="replace") -> None:
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"the world size must be a whole number >= 1, not {n!r}")
     if start_method not in START_METHODS:
@@ -21,6 +24,8 @@ def check_options(n, start_method, backend, listen, token, threads) -> None:
         raise ValueError(f"unknown backend {backend!r} (choose gloo or nccl)")
     if threads is not None and str(threads) != "auto" and not str(threads).isdigit():
         raise ValueError(f"threads: a number or 'auto', not {threads!r}")
+    if on_death not in ON_DEATH:
+        raise ValueError(f"on_death: 'replace' or 'restart', not {on_death!r}")
     if listen is not None and not token:
         raise ValueError("a pool that listens on TCP needs a token")
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from . import launch
+from . import remote
 from .launch import START_METHODS
 
 __all__ = ["PARSERS", "SUBCOMMANDS", "help_text", "parse_argstring"]
@@ -134,7 +134,7 @@ def ddp_start(line):
 @magic_arguments()
 @argument("--world-size", type=_world_size, required=True, help="how many ranks will connect")
 @argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (loopback by default)")
-@argument("--token-file", default=launch.DEFAULT_TOKEN_FILE, help="shared secret (made if missing)")
+@argument("--token-file", default=remote.DEFAULT_TOKEN_FILE, help="shared secret (made if missing)")
 @argument("--timeout", type=_seconds, default=600.0, help="seconds to wait for every rank")
 @argument("--slurm", help="sbatch options: submit the torchrun job too ('--nodes 2 ...')")
 def ddp_attach(line):

@@ -60,7 +60,8 @@ class Outcome:
         finally:
             payload.Shipment(b"", list(done.files)).remove()
 
-    def end(self, sup: CellSupervisor, notes: list[str]) -> P.CellEnd:
+    def end(self, sup: CellSupervisor, notes: list[str], kept: bool = True) -> P.CellEnd:
+        """The cell's end; ``kept``: every live rank kept its namespace."""
         for rank, done in self.done.items():  # a rank stopped before its output was all in
             if done.status == "error" and rank not in self.errors:
                 self.errors[rank] = done.error
@@ -75,6 +76,7 @@ class Outcome:
             dict(sup.stacks_at_interrupt),
             tuple(sorted(r for r, d in self.done.items() if d.freed)),
             {r: d.profile for r, d in self.done.items() if d.profile is not None},
+            kept,
         )
 
 
@@ -99,4 +101,4 @@ def raise_for_end(end: P.CellEnd, hosts: dict[int, str] | None = None) -> None:
     if end.interrupted:
         raise CellInterrupted(end.interrupted, failures, list(end.notes), end.stacks)
     if failures:
-        raise CellFailed(failures, list(end.notes), freed=end.freed)
+        raise CellFailed(failures, list(end.notes), freed=end.freed, kept=end.kept)

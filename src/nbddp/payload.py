@@ -31,7 +31,7 @@ import tempfile
 import cloudpickle
 import torch
 
-__all__ = ["SHM_MIN_BYTES", "Shipment", "dumps", "loads", "private_dir", "shm_dir"]
+__all__ = ["SHM_MIN_BYTES", "Refused", "Shipment", "dumps", "loads", "private_dir", "shm_dir"]
 
 SHM_MIN_BYTES = 1 << 20
 _counter = itertools.count()
@@ -258,11 +258,18 @@ def _rank_device() -> torch.device:
     return torch.device("cpu")
 
 
+class Refused(TypeError):
+    """An object ``dumps`` was told to refuse (its ``refuse`` said what it is)."""
+
+
 class _Pickler(cloudpickle.CloudPickler):
-    def __init__(self, file, directory: str | None = None, min_bytes: int = SHM_MIN_BYTES) -> None:
+    def __init__(
+        self, file, directory: str | None = None, min_bytes: int = SHM_MIN_BYTES, refuse=None
+    ) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.directory = directory
         self.min_bytes = min_bytes
+        self.refuse = refuse
         self.files: list[str] = []
         self.storages: dict[tuple, _Storage] = {}  # by device and address
 
@@ -280,6 +287,8 @@ class _Pickler(cloudpickle.CloudPickler):
             )
         if isinstance(obj, _Storage):
             return obj.reduce()
+        if self.refuse is not None and (what := self.refuse(obj)) is not None:
+            raise Refused(what)
         if isinstance(obj, torch.Tensor) and self._fits(obj):
             return self._reduce_tensor(obj)
         if self.directory is not None:
@@ -332,10 +341,13 @@ def _numpy():
     return sys.modules.get("numpy")
 
 
-def dumps(obj: object, directory: str | None = None, min_bytes: int = SHM_MIN_BYTES) -> Shipment:
-    """Pickle ``obj``; with ``directory``, big tensors go to files there."""
+def dumps(
+    obj: object, directory: str | None = None, min_bytes: int = SHM_MIN_BYTES, refuse=None
+) -> Shipment:
+    """Pickle ``obj``; with ``directory``, big tensors go to files there. ``refuse(o)``,
+    if given, says what an object that must not go is (then :class:`Refused`)."""
     buf = io.BytesIO()
-    pickler = _Pickler(buf, directory, min_bytes)
+    pickler = _Pickler(buf, directory, min_bytes, refuse)
     try:
         pickler.dump(obj)
     except BaseException:

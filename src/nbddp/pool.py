@@ -25,7 +25,7 @@ import time
 import weakref
 from collections.abc import Iterator
 
-from . import capture, payload, queries, recovery
+from . import capture, copying, payload, queries, recovery
 from . import protocol as P
 from .cell import Cell, Requests, make_runs
 from .drive import drive
@@ -80,8 +80,9 @@ class Pool:
         log_dir: str | None = None,
         debug: bool = False,
         threads: str | int | None = None,
+        on_death: str = "replace",
     ) -> None:
-        check_options(n, start_method, backend, listen, token, threads)
+        check_options(n, start_method, backend, listen, token, threads, on_death)
         check_layout(n, device, gpus, groups, mesh)
         self.world_size = n
         self.start_method, self.backend, self.pg_timeout = start_method, backend, pg_timeout
@@ -92,6 +93,7 @@ class Pool:
         self.debug = debug  # torch's collective checks: a mismatch fails at once
         self.threads = None if threads is None else str(threads)  # N or "auto" per rank
         self.extra_env = dict(env or {})
+        self.on_death = on_death  # "replace": a dead rank gets a new process; "restart": all
         # attached pools: ranks started elsewhere (torchrun) connect over TCP with ``token``
         self.listen_on = listen
         self.token = token or b""
@@ -161,8 +163,13 @@ class Pool:
 
     @property
     def generation(self) -> int:
-        """Counts starts: a new generation has ranks with fresh namespaces."""
+        """Counts starts and replaced ranks: a new generation has ranks with fresh
+        namespaces (so the notebook's imports are replayed to them)."""
         return self._generation
+
+    def renewed(self) -> None:
+        """Some ranks have fresh namespaces now (a new process took a dead one's place)."""
+        self._generation += 1
 
     @property
     def devices(self) -> list[str]:
@@ -195,8 +202,8 @@ class Pool:
             self.roster.store_port = None
             if not self.attached:  # else the ranks come to us
                 for rank in range(self.world_size):
-                    env = rank_env(self, rank, self.token, self.procs.shm)
-                    self.roster.add(rank, self.procs.start(rank, self.address, env))
+                    pid = self.procs.start(rank, self.address, rank_env(self, rank))
+                    self.roster.add(rank, pid)
             self.handshake(self.start_timeout)
             self._generation += 1
             self.state = "ready"
@@ -261,6 +268,7 @@ class Pool:
                 self.hub.unwatch_conn(conn)
                 conn.close()
         self.roster.clear()
+        self.procs.stop_store()
         self.hub.close_relays()
         if self.logs is not None:
             self.logs.close()
@@ -378,6 +386,12 @@ class Pool:
     def stacks(self, timeout: float = 2.0) -> dict[int, tuple]:
         """Where each rank's main thread is now (between cells: empty, they are idle)."""
         return queries.stacks(self, timeout)
+
+    def copy(self, names: list[str], src: int, dst: list[int] | None = None) -> copying.Copied:
+        """Bind ``names`` from rank ``src``'s namespace on ``dst`` (every other rank by
+        default): once through shared memory, tensors on each rank's own device. Objects
+        bound to the process group (DDP/FSDP wrappers, meshes) are refused."""
+        return copying.copy(self, names, src, dst)
 
     def debug_reply(self, prompt: P.RankDebug, line: str | None) -> None:
         """Answer a rank's pdb (a ``RankDebug`` event) with ``line``; None ends its session."""

@@ -3,9 +3,11 @@
 A local pool's ranks are started through a launcher (by default a fork server
 that has imported torch, see :mod:`nbddp.launch`), each with torchrun's
 environment, in its own session, writing its early output to a log file in
-the pool's private folder. Ranks started elsewhere (torchrun on other hosts)
-have no processes here: :class:`RankProcesses` then has no launcher, and
-reaping waits for their connections to close instead.
+the pool's private folder. The group's store runs in a process of its own
+(:mod:`nbddp.store`), so that no rank's death takes it down. Ranks started
+elsewhere (torchrun on other hosts) have no processes here:
+:class:`RankProcesses` then has no launcher, and reaping waits for their
+connections to close instead.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class RankProcesses:
         self.launcher: Launcher | None = None
         self.dir: str | None = None  # private (0700): the socket, the ranks' start logs
         self.shm: str | None = None  # the pool's private shared-memory folder
+        self.store: tuple[int, int] | None = None  # the group's store: (pid, port)
 
     def make_folders(self) -> None:
         if self.dir is None:
@@ -41,9 +44,25 @@ class RankProcesses:
 
     def start(self, rank: int, address: str, env: dict[str, str]) -> int:
         """Start ``rank``'s process, connecting to ``address``; its pid."""
+        return self._launcher().start(["--connect", address], env, self.log_path(rank), os.getcwd())
+
+    def _launcher(self) -> Launcher:
         if self.launcher is None:
             self.launcher = make_launcher(self.start_method)
-        return self.launcher.start(["--connect", address], env, self.log_path(rank), os.getcwd())
+        return self.launcher
+
+    def store_port(self) -> int:
+        """The port of the group's store, started now if it is not running."""
+        if self.store is None:
+            log = os.path.join(self.dir or "", "store.log")
+            self.store = self._launcher().start_store(log, os.getcwd())
+        return self.store[1]
+
+    def stop_store(self) -> None:
+        if self.store is not None and self.launcher is not None:
+            pid, self.store = self.store[0], None
+            self.launcher.kill(pid)
+            self.launcher.returncode(pid, timeout=2.0)
 
     def log_path(self, rank: int) -> str:
         return os.path.join(self.dir or "", f"rank{rank}.log")
@@ -107,7 +126,8 @@ class RankProcesses:
             r.returncode, r.state = codes[r.pid], "dead"
 
     def close(self) -> None:
-        """End the launcher and remove the folders."""
+        """End the store and the launcher, and remove the folders."""
+        self.stop_store()
         if self.launcher is not None:
             self.launcher.close()
             self.launcher = None
@@ -117,8 +137,9 @@ class RankProcesses:
             self.dir = None
 
 
-def rank_env(pool, rank: int, token: bytes, shm: str) -> dict[str, str]:
-    """Rank ``rank``'s environment in a local pool started with ``pool``'s options."""
+def rank_env(pool, rank: int, generation: int = 0) -> dict[str, str]:
+    """Rank ``rank``'s environment in a local pool started with ``pool``'s options; a rank
+    that takes a dead one's place joins the group's re-form ``generation``."""
     env = dict(os.environ)
     env.pop("MASTER_PORT", None)  # rank 0 binds a free port and reports it
     n = str(pool.world_size)
@@ -130,12 +151,18 @@ def rank_env(pool, rank: int, token: bytes, shm: str) -> dict[str, str]:
         GROUP_RANK="0",
         MASTER_ADDR="127.0.0.1",
         NBDDP_SYS_PATH=os.pathsep.join(p for p in sys.path if p),  # what it can import
-        NBDDP_TOKEN=token.decode(),
-        NBDDP_SHM_DIR=shm,
+        NBDDP_TOKEN=pool.token.decode(),
+        NBDDP_SHM_DIR=pool.procs.shm,
+        NBDDP_STORE_PORT=str(pool.procs.store_port()),
+        NBDDP_GENERATION=str(generation),
         MPLBACKEND="module://nbddp.mpl_backend",
     )
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # a local pool stays local
         env.setdefault(var, "lo")
+    # NCCL's watchdog, on a collective's error or timeout, aborts the communicators and
+    # leaves the process alone (2, CleanUpOnly), where torch's default (3) ends the
+    # process: a survivor of a peer's death must live on with its namespace
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     for var, value in (
         ("NBDDP_BACKEND", pool.backend),
         ("NBDDP_PG_TIMEOUT", pool.pg_timeout or None),

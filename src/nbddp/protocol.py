@@ -18,16 +18,22 @@ Timeline of a pool::
 
     worker                               notebook
     Hello ------------------------------>  (one per rank; StreamHello x2 on the streams)
-    StorePort (rank 0, local pools) ---->
+    (a local pool's ranks form the group on the store the pool started, NBDDP_STORE_PORT;
+     ranks under torchrun on torchrun's; a script's own init_process_group after
+     destroy_process_group, on one rank 0 opens:)
+    StorePort (rank 0) ----------------->
                   <--------------------- JoinGroup(port)   (ranks != 0)
-    Ready ------------------------------>
+    Ready(generation) ------------------>
                   <--------------------- Run(cell, code, ...)
     bytes on stdout/stderr ------------->
     end markers, then Done ------------->
                   <--------------------- Interrupt | Query | StackQuery | Shutdown (any time)
     StatusReply | Stacks --------------->  (from the worker's receiver thread)
-                  <--------------------- AbortGroup(cell), Reform   (after a failure left
-                                                               peers blocked in a collective)
+                  <--------------------- AbortGroup(cell), Reform(generation)   (after a
+                                                    failure left peers blocked in a collective,
+                                                    or a rank died and a new one took its place)
+    Ready(generation) | ReformFailed --->  (a peer died while the group formed: freed, and
+                                            the pool tries the next generation)
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ __all__ = [
     "Progress",
     "Query",
     "Ready",
+    "ReformFailed",
     "Reform",
     "RelayHello",
     "Run",
@@ -72,7 +79,7 @@ __all__ = [
     *events.__all__,
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 # ---------------------------------------------------------------- data
@@ -140,6 +147,16 @@ class Ready:
     backend: str
     device: str
     names: tuple[str, ...] = ()  # the rank's global names
+    generation: int = 0  # the re-form of the group it joined (0: the first group)
+
+
+@dataclass(frozen=True)
+class ReformFailed:
+    """The rank could not join re-form ``generation`` (a peer died while it formed, and
+    the pool freed the rank from the wait); it lives on, without a group."""
+
+    generation: int
+    error: ErrorInfo
 
 
 @dataclass(frozen=True)
@@ -298,6 +315,7 @@ _MESSAGES = (
     RelayHello,
     StorePort,
     Ready,
+    ReformFailed,
     Fatal,
     Done,
     Display,

@@ -5,7 +5,12 @@
   every rank join a new group and keep its namespace.
 - Before a cell, :func:`ready_for_a_cell`: a pool that lost its state (or a rank
   that died between cells) is started anew, and the next cell says so.
-- A rank died: :func:`rank_died` reports it (after everything it printed).
+- A rank died: :func:`rank_died` reports it (after everything it printed), and
+  on a local pool :func:`replace` has a new process take its place while every
+  other rank keeps its namespace (the group's store is a process of its own, so
+  even rank 0 can die). A rank that dies again and again stops the pool
+  (``CRASH_LOOP`` deaths within ``CRASH_WINDOW`` s); ``on_death="restart"``, and
+  attached pools (torchrun started those ranks, not us), stop it at once.
 - Ranks that do not come back (a death broke the group for good, a rank stuck
   in C past the grace period): :func:`stop_pool` stops them all, and the next
   cell starts a new pool. Every note that says state was lost is made by
@@ -21,10 +26,28 @@ from . import protocol as P
 from . import stacks as S
 from .errors import PoolClosedError, PoolStartError, RankDied
 from .hub import Gone
+from .processes import rank_env
+from .roster import RankGone
 
-__all__ = ["rank_died", "ready_for_a_cell", "reform", "state_lost", "stop_pool"]
+__all__ = [
+    "can_replace",
+    "rank_died",
+    "ready_for_a_cell",
+    "reform",
+    "replace",
+    "state_lost",
+    "stop_pool",
+]
 
 REFORM_TIMEOUT = 60.0  # seconds the ranks have to join the re-formed group
+CRASH_LOOP = 3  # deaths of one rank within CRASH_WINDOW s: it is not replaced again
+CRASH_WINDOW = 60.0
+NAMES_SAID = 12  # the names a dead rank held, said in full up to this many
+STALE = "objects bound to the old group (DDP models, device meshes, subgroups) must be rebuilt"
+
+
+class CrashLoop(PoolStartError):
+    """A rank died too often to be replaced again."""
 
 
 def state_lost(what: str) -> str:
@@ -36,19 +59,21 @@ def _were(ranks) -> str:
     return "were" if len(ranks) > 1 else "was"
 
 
+def can_replace(pool) -> bool:
+    """A dead rank of this pool gets a new process (else the pool is stopped)."""
+    return pool.on_death == "replace" and not pool.attached
+
+
 def reform(pool, sup, out, quiet: bool = False):
     """Every rank joins a new group; namespaces stay. Fall back to stopping the pool."""
     t0 = time.monotonic()
-    try:
-        _form_again(pool, REFORM_TIMEOUT)
-    except PoolStartError as exc:
-        pool.lose()
-        pool.notes.append(
-            state_lost(f"re-forming the process group failed ({exc}): the pool was stopped")
-        )
+    had = yield from _formed_again(pool, [])
+    if had is None:
         return
-    backlog, pool.roster.backlog = pool.roster.backlog, []
-    yield from backlog
+    if had:  # ranks died while the group formed: a new process took each one's place
+        pool.notes += _replaced_notes(pool, had, time.monotonic() - t0)
+        yield from _replaced_events(had)
+        return
     if quiet:
         return
     stopped = [r for r in out.done if r not in sup.aborted_running]
@@ -63,26 +88,143 @@ def reform(pool, sup, out, quiet: bool = False):
     pool.notes.append(
         f"{what}: the process group was aborted and re-formed in "
         f"{time.monotonic() - t0:.2f} s. "
-        "Every rank kept its namespace; objects bound to the old group (DDP models, "
-        "device meshes, subgroups) must be rebuilt"
-        + (" (nbddp rebuilt `mesh` and `group`)" if pool.mesh or pool.groups else "")
+        f"Every rank kept its namespace; {STALE}" + _rebuilt(pool)
     )
 
 
-def _form_again(pool, timeout: float) -> None:
-    """Every rank forms the group again (namespaces kept); PoolStartError if not all did
-    within ``timeout``, or an interrupt ended the wait."""
+def _rebuilt(pool) -> str:
+    return " (nbddp rebuilt `mesh` and `group`)" if pool.mesh or pool.groups else ""
+
+
+def replace(pool, dead: list[int]):
+    """New processes in place of the ``dead`` ranks, the group re-formed with all of them;
+    every other rank keeps its namespace. The notes say what the dead ranks held."""
+    t0 = time.monotonic()
+    had = yield from _formed_again(pool, dead)
+    if had is not None:
+        pool.notes += _replaced_notes(pool, had, time.monotonic() - t0)
+        yield from _replaced_events(had)
+
+
+def _replaced_events(had: dict):
+    for rank in sorted(had):
+        yield P.RankState(rank, "replaced")
+
+
+def _replaced_notes(pool, had: dict[int, frozenset[str]], took: float) -> list[str]:
+    notes = []
+    for rank, names in sorted(had.items()):
+        gone = sorted(names - pool.roster[rank].names)
+        held = ", ".join(gone[:NAMES_SAID]) + (
+            f" and {len(gone) - NAMES_SAID} more" if len(gone) > NAMES_SAID else ""
+        )
+        notes.append(
+            f"rank {rank}: a new process took its place; "
+            + (f"it had {held} (gone)" if gone else "it had nothing of its own")
+        )
+    new = S.rank_set(sorted(had)).replace("rank", "new rank", 1)
+    notes.append(
+        f"the process group was re-formed with the {new} in {took:.2f} s; every other rank "
+        f"kept its namespace; {STALE}" + _rebuilt(pool)
+    )
+    for rank in sorted(had):
+        if pool.roster.deaths.get(rank) and pool.roster.last_exit.get(rank) == -signal.SIGKILL:
+            notes.append(_oom_hint(rank))
+    return notes
+
+
+def _oom_hint(rank: int) -> str:
+    return (
+        f"nothing in nbddp sent rank {rank} SIGKILL: the usual sender is the "
+        "kernel's out-of-memory killer (see `dmesg`)"
+    )
+
+
+def _formed_again(pool, dead: list[int]):
+    """Re-form the group, new processes in place of ``dead`` and of any rank that dies on
+    the way; {rank: the names it held} for the replaced ranks, or None when the pool had
+    to be stopped (said in a note). Yields the output that came meanwhile."""
+    try:
+        had = _form_again(pool, dead, REFORM_TIMEOUT)
+    except CrashLoop as exc:
+        pool.lose()
+        pool.notes.append(state_lost(f"{exc}: the pool was stopped"))
+        return None
+    except PoolStartError as exc:
+        pool.lose()
+        pool.notes.append(
+            state_lost(f"re-forming the process group failed ({exc}): the pool was stopped")
+        )
+        return None
+    if had:
+        pool.renewed()
+    backlog, pool.roster.backlog = pool.roster.backlog, []
+    yield from backlog
+    return had
+
+
+def _form_again(pool, dead: list[int], timeout: float) -> dict[int, frozenset[str]]:
+    """Every rank forms the group again (namespaces kept), a new process in place of each
+    of ``dead`` and of each rank that dies meanwhile (then the survivors are freed from
+    the re-form that waits for it, and every rank joins the next one). PoolStartError if
+    not all joined within ``timeout``, or an interrupt ended the wait."""
     roster, requests = pool.roster, pool.requests
     roster.store_port = None
-    roster.reforms += 1
-    for r in roster.ranks.values():
-        r.state = "starting"
-        r.send(P.Reform(roster.reforms))
+    had: dict[int, frozenset[str]] = {}
+    pending, fresh = sorted(dead), set()
     requests.reforming, requests.cancel_wait = True, False
     try:
-        pool.handshake(timeout, lambda: requests.cancel_wait)
+        while True:
+            for rank in pending:
+                _count_death(pool, rank)
+                had.setdefault(rank, roster[rank].names)
+            restart = sorted(set(pending) | fresh)  # new ones have no state: start them again
+            _end_processes(pool, [roster[rank] for rank in restart])
+            roster.reforms += 1
+            survivors = [r for r in roster.ranks.values() if r.rank not in restart]
+            for rank in restart:
+                pid = pool.procs.start(rank, pool.address, rank_env(pool, rank, roster.reforms))
+                roster.add(rank, pid)
+            pool.hub.forget_sentinels()  # the dead ones' fd numbers may come back
+            for r in survivors:
+                r.state = "starting"
+                if fresh:  # free those waiting in the re-form a death broke
+                    r.send(P.AbortGroup())
+                r.send(P.Reform(roster.reforms))
+            fresh = set(restart)
+            try:
+                pool.handshake(timeout, lambda: requests.cancel_wait)
+                return had
+            except RankGone as gone:
+                if not can_replace(pool):
+                    raise
+                pending = [gone.rank]
     finally:
         requests.reforming = False
+
+
+def _count_death(pool, rank: int) -> None:
+    """Count a death of ``rank``; CrashLoop when it died too often to be replaced again."""
+    roster, now = pool.roster, time.monotonic()
+    r = roster[rank]
+    roster.last_exit[rank] = r.returncode if r.returncode is not None else pool.exit_code(r)
+    times = [t for t in roster.deaths.get(rank, []) if now - t < CRASH_WINDOW] + [now]
+    roster.deaths[rank] = times
+    if len(times) >= CRASH_LOOP:
+        raise CrashLoop(
+            f"rank {rank} died {len(times)} times within {CRASH_WINDOW:g} s, so it was "
+            "not replaced again"
+        )
+
+
+def _end_processes(pool, ranks: list) -> None:
+    """Kill what is left of ``ranks`` (dead, or new and not yet in) and close their links."""
+    live = [r for r in ranks if r.state != "dead"]
+    for r in live:
+        pool.procs.kill(r.pid)
+    pool.procs.reap_ranks(live, time.monotonic() + 2.0)
+    for r in ranks:
+        pool.roster.forget(r.rank)
 
 
 def rank_died(pool, sup, out, r):
@@ -93,11 +235,8 @@ def rank_died(pool, sup, out, r):
     yield exit_event
     yield P.RankState(r.rank, "dead")
     sup.died(r.rank, time.monotonic())
-    if r.returncode == -signal.SIGKILL:
-        pool.notes.append(
-            f"nothing in nbddp sent rank {r.rank} SIGKILL: the usual sender is the "
-            "kernel's out-of-memory killer (see `dmesg`)"
-        )
+    if r.returncode == -signal.SIGKILL and not can_replace(pool):
+        pool.notes.append(_oom_hint(r.rank))  # (else said after the replacement's notes)
 
 
 def _stop_note(pool, action) -> str:
@@ -143,7 +282,16 @@ def ready_for_a_cell(pool) -> None:
         )
     items = pool.hub.pump(0) if pool.roster.ranks else []  # what came between cells
     pool.roster.keep_output(items)
-    gone = [i.rank for i in items if type(i) is Gone]
+    gone = sorted({i.rank for i in items if type(i) is Gone})
+    if gone and can_replace(pool) and not pool.needs_restart:
+        for rank in gone:
+            r = pool.roster[rank]
+            pool.roster.backlog += pool.drain(rank)
+            r.state, r.returncode = "dead", pool.exit_code(r)
+            pool.notes.append(f"{RankDied(rank, r.returncode).summary} since the last cell")
+        events = list(replace(pool, gone))
+        pool.roster.backlog += [e for e in events if type(e) is P.Output]
+        return
     if gone or pool.needs_restart:
         why = ", ".join(RankDied(rank, pool.exit_code(pool.roster[rank])).summary for rank in gone)
         pool.lose()

@@ -18,7 +18,17 @@ from . import protocol as P
 from .errors import PoolStartError, describe_exit
 from .hub import Gone, Hub, Link, Msg, RelayLink, Stream, Text
 
-__all__ = ["Rank", "Roster"]
+__all__ = ["Rank", "RankGone", "Roster"]
+
+EXPLAINED_WITHIN = 1.0  # s a failed re-form waits for the death that explains it
+
+
+class RankGone(PoolStartError):
+    """A rank's process ended while the ranks were starting or forming the group."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 @dataclass
@@ -66,7 +76,10 @@ class Roster:
         self.ranks: dict[int, Rank] = {}
         self.hub: Hub | None = None
         self.store_port: int | None = None  # the group's store, as rank 0 reported it
-        self.reforms = 0  # re-forms of the group, each named in the ranks' shared store
+        self.reforms = 0  # re-forms of the group (generations), each named in the store
+        self.deaths: dict[int, list[float]] = {}  # rank -> when its processes died
+        self.last_exit: dict[int, int | None] = {}  # rank -> how its last process ended
+        self._reform_failed: tuple[float, str] | None = None  # (when, why), this generation
         self.backlog: list[P.Output] = []  # output between cells, said with the next
         self.on_join: Callable[[int, int], None] | None = None
         self.refuse: Callable[[str], None] = lambda _line: None
@@ -111,7 +124,16 @@ class Roster:
         self._early.clear()
         self.ranks.clear()
         self.store_port = None
+        self.reforms = 0  # (a new pool has a new store)
+        self.deaths.clear()
+        self.last_exit.clear()
         return ranks
+
+    def forget(self, rank: int) -> None:
+        """Close a dead rank's connections: a new process is about to take its place."""
+        for conn in self.ranks[rank].link.connections():
+            self.hub.unwatch_conn(conn)
+            conn.close()
 
     # ------------------------------------------------------------ joining
 
@@ -203,8 +225,12 @@ class Roster:
     ) -> None:
         """Wait until every rank is in the group and idle; PoolStartError otherwise."""
         deadline = time.monotonic() + timeout
+        self._reform_failed = None
         while not self.ready():
             left = deadline - time.monotonic()
+            failed = self._reform_failed
+            if failed is not None and time.monotonic() > failed[0] + EXPLAINED_WITHIN:
+                raise PoolStartError(failed[1])  # no death explains it
             if cancelled():
                 raise PoolStartError("interrupted while waiting for the ranks")
             if left <= 0:
@@ -216,7 +242,7 @@ class Roster:
                 raise PoolStartError(
                     f"ranks {waiting} did not start within {timeout:g} s" + log_tail(waiting[0])
                 )
-            for item in self.hub.pump(min(left, 1.0)):
+            for item in self.hub.pump(min(left, 0.25 if failed else 1.0)):
                 self._handshake_item(item, exit_code, log_tail)
         joined = sorted(self.ranks.items())  # ranks joined in any order
         self.ranks.clear()  # (the same dict: the hub reads it)
@@ -232,9 +258,10 @@ class Roster:
             self.keep_output([item])
         elif kind is Gone:
             code = exit_code(self.ranks[item.rank])
-            raise PoolStartError(
+            raise RankGone(
+                item.rank,
                 f"rank {item.rank} exited while starting ({describe_exit(code)})"
-                + log_tail(item.rank)
+                + log_tail(item.rank),
             )
         elif kind is Msg:
             handler = self._STARTING.get(type(item.msg))
@@ -245,8 +272,19 @@ class Roster:
         self.set_store_port(msg.port)
 
     def _ready(self, r: Rank, msg: P.Ready) -> None:
+        if msg.generation != self.reforms:
+            return  # it joined a re-form a death made the pool give up on
         r.state, r.backend, r.device = "idle", msg.backend, msg.device
         r.names = frozenset(msg.names) or r.names
+
+    def _failed_reform(self, r: Rank, msg: P.ReformFailed) -> None:
+        if msg.generation == self.reforms and self._reform_failed is None:
+            error = msg.error
+            self._reform_failed = (
+                time.monotonic(),
+                f"rank {r.rank} could not join the re-formed group: "
+                f"{error.exc_type}: {error.message}",
+            )
 
     def _fatal(self, r: Rank, msg: P.Fatal) -> None:
         raise PoolStartError(f"rank {r.rank} failed to start:\n{msg.error.traceback}")
@@ -255,5 +293,6 @@ class Roster:
     _STARTING = {
         P.StorePort: _store_port,
         P.Ready: _ready,
+        P.ReformFailed: _failed_reform,
         P.Fatal: _fatal,
     }

@@ -29,7 +29,10 @@ The cell::
            running rank has waited SETTLE s in a collective
         -> at t + grace the ranks still running are stuck in C: stop the pool
     a rank dies
-        -> stop the other ranks at once: the group lost a member for good
+        -> with ``replace_dead`` (a local pool): abort the group at once (the others
+           wait for a peer that will never come), then as after any abort; the pool
+           has a new process take the dead rank's place after the cell
+        -> else stop the other ranks at once: the group lost a member for good
     a long cell
         -> stacks every SAMPLE_EVERY s, so a sink can show "waiting in all_reduce (12 s)"
 """
@@ -107,6 +110,7 @@ class CellSupervisor:
     abort_after: float = 1.0
     grace: float = 3.0
     timeout: float | None = None
+    replace_dead: bool = False  # a dead rank gets a new process: free the others, keep them
     phase: dict[int, str] = field(init=False)
     first_failure: tuple[float, int] | None = field(init=False, default=None)
     interrupted: str | None = field(init=False, default=None)  # "interrupt" | "timeout"
@@ -114,6 +118,7 @@ class CellSupervisor:
     aborted_at: float | None = field(init=False, default=None)
     aborted_running: tuple[int, ...] = field(init=False, default=())
     stopped: str | None = field(init=False, default=None)  # why the pool was stopped
+    died_at: float | None = field(init=False, default=None)  # the first death
     where: dict[int, _Where] = field(init=False, default_factory=dict)
     stacks_at_interrupt: dict[int, tuple[Frame, ...]] = field(init=False, default_factory=dict)
     status: dict[int, str] = field(init=False, default_factory=dict)  # from each Done
@@ -189,13 +194,16 @@ class CellSupervisor:
         return _FINAL.get(self.status[rank], "interrupted")
 
     def died(self, rank: int, now: float) -> None:
-        """The rank's process ended: the group is broken, every other rank is stopped."""
+        """The rank's process ended: the group is broken. The others are freed at once
+        (``replace_dead``), or stopped."""
         if self.phase.get(rank) in ("dead", "stopped"):
             return
         if rank in self.phase:
             self.phase[rank] = "dead"
         self._failed(rank, now)
-        if self.stopped is None:
+        if self.replace_dead:
+            self.died_at = self.died_at or now
+        elif self.stopped is None:
             self._stop("death", now)
 
     def stacks(self, rank: int, frames: tuple[Frame, ...], now: float) -> _Where | None:
@@ -244,6 +252,8 @@ class CellSupervisor:
             times.append(self.interrupt_at + self.grace / 2)
         if not times:
             return None
+        if self.died_at is not None:
+            return now  # a peer that will never come: nothing to wait for
         trigger = self.triggered_at
         some_ended = any(p != "running" for p in self.phase.values())
         if some_ended and all(self._blocked(r, trigger) for r in self.running):
@@ -307,6 +317,8 @@ class CellSupervisor:
         if self.aborted_at is not None and running and self.interrupt_at is None:
             times.append(self.aborted_at + self.grace)
         if self.aborted_at is None and running:
+            if self.died_at is not None:
+                times.append(self.died_at)
             if self.first_failure is not None:
                 times.append(self.first_failure[0] + self.abort_after)
             if self.interrupt_at is not None:

@@ -74,7 +74,7 @@ class Worker:
         except BaseException as exc:
             self.send(P.Fatal(error_info(exc)))
             self._exit(1)
-        self.send(P.Ready(self.group.backend, self.group.device, self.cells.changed_names() or ()))
+        self._ready(int(os.environ.get("NBDDP_GENERATION") or 0))
         work = {
             P.Run: self.cells.run,
             P.AbortGroup: self.cells.abort_between_cells,
@@ -124,13 +124,18 @@ class Worker:
         self.send(P.StatusReply(psutil.Process().memory_info().rss, self.group.device))
 
     def _reform(self, msg: P.Reform) -> None:
-        """A new default group; the namespace (and its stale objects) stays."""
+        """A new default group; the namespace (and its stale objects) stays, also when the
+        re-form fails (the pool then tries the next one, or stops the pool)."""
         try:
             self.group.reform(msg.generation)
-        except BaseException as exc:
-            self.send(P.Fatal(error_info(exc)))
-            self._exit(1)
-        self.send(P.Ready(self.group.backend, self.group.device, self.cells.changed_names() or ()))
+        except Exception as exc:
+            self.send(P.ReformFailed(msg.generation, error_info(exc)))
+            return
+        self._ready(msg.generation)
+
+    def _ready(self, generation: int) -> None:
+        names = self.cells.changed_names() or ()
+        self.send(P.Ready(self.group.backend, self.group.device, names, generation))
 
     def _hello(self) -> None:
         self.send(

@@ -143,6 +143,8 @@ class CellRunner:
         if self.running and msg.cell == self.cell:
             self.abort_cell = msg.cell  # and again when the cell ends: the cascade
             self.group.free_blocked()
+        elif self.group.joining and not self.running:  # a re-form waits for a dead peer
+            self.group.free_blocked()
         elif not self.running:
             inbox_put(msg)  # between cells: the main thread aborts
         # else: for a cell that has ended here already

@@ -39,11 +39,14 @@ def open_sockets() -> dict[int, int]:
     return found
 
 
-def shut_down_sockets(sockets: dict[int, int], keep_port: int | None) -> int:
+def shut_down_sockets(
+    sockets: dict[int, int], keep_port: int | None, only_port: int | None = None
+) -> int:
     """Shut down the connected sockets among ``sockets`` (fd -> inode) that are still those
     sockets; a collective blocked on one of them returns at once with an error.
 
-    Connections to or from ``keep_port`` (the store) are left alone. Returns how many.
+    Connections to or from ``keep_port`` (the store) are left alone; with ``only_port``,
+    only connections to or from it are shut down. Returns how many.
     """
     count = 0
     for fd, inode in sockets.items():
@@ -54,16 +57,18 @@ def shut_down_sockets(sockets: dict[int, int], keep_port: int | None) -> int:
         except OSError:
             continue
         with sock:
-            count += _shut_down(sock, keep_port)
+            count += _shut_down(sock, keep_port, only_port)
     return count
 
 
-def _shut_down(sock: socket.socket, keep_port: int | None) -> int:
+def _shut_down(sock: socket.socket, keep_port: int | None, only_port: int | None) -> int:
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return 0  # the notebook's connections (a Unix socket) are not the group's
     try:
         ports = {sock.getsockname()[1], sock.getpeername()[1]}
     except (OSError, IndexError, TypeError):
-        return 0  # a listener, or not an internet socket
-    if keep_port in ports:
+        return 0  # a listener
+    if keep_port in ports or (only_port is not None and only_port not in ports):
         return 0
     try:
         sock.shutdown(socket.SHUT_RDWR)
@@ -111,6 +116,7 @@ class GroupKeeper:
         self.backend = ""
         self.device = "cpu"
         self.namespace: dict = {}  # the rank's namespace: a re-form rebinds group and mesh
+        self._before_join: dict[int, int] = {}  # the sockets open when the join began
         self._abort_lock = threading.Lock()  # one abort at a time: the second finds it done
 
     def join(self, fresh: bool = False, generation: int | None = None) -> DDPContext:
@@ -123,7 +129,7 @@ class GroupKeeper:
         collective blocked on them can be freed from another thread
         (:meth:`free_blocked`).
         """
-        before = open_sockets()
+        before = self._before_join = open_sockets()
         self.joining = True
         try:
             ctx = self._form(fresh, generation)
@@ -133,9 +139,19 @@ class GroupKeeper:
         return ctx
 
     def reform(self, generation: int) -> None:
-        """A new default group; the namespace (and its stale objects) stays."""
+        """A new default group; the namespace (and its stale objects) stays.
+
+        Should it fail (a peer died while the group formed, and the pool freed this
+        rank, see :meth:`free_blocked`), the rank lives on without a group, and the
+        next re-form connects to the store again.
+        """
         self.abort()
-        self.join(fresh=True, generation=generation)
+        try:
+            self.join(fresh=True, generation=generation)
+        except BaseException:
+            self.abort()
+            self.base_store = None  # its connection may be the one shut down
+            raise
 
     def abort(self) -> None:
         """Abort the default group, once however many threads ask at the same time:
@@ -153,9 +169,17 @@ class GroupKeeper:
 
         NCCL's abort is made for this. gloo's ``abort()`` does not wake a thread
         blocked in a collective, but shutting down the group's own sockets does,
-        at once, for this rank and the peers it talks to.
+        at once, for this rank and the peers it talks to. A group being formed
+        (a re-form waiting for a peer that died) is freed the same way, with the
+        connection to the store it waits on.
         """
-        if self.backend == "nccl":
+        if self.joining:
+            opened = {
+                fd: ino for fd, ino in open_sockets().items() if self._before_join.get(fd) != ino
+            }
+            shut_down_sockets(opened, None)
+            shut_down_sockets(open_sockets(), None, only_port=_store_port())
+        elif self.backend == "nccl":
             self.abort()
         else:
             shut_down_sockets(dict(self.sockets), _store_port())
@@ -177,6 +201,17 @@ class GroupKeeper:
 
     def _store(self, fresh: bool, generation: int | None) -> dist.Store | None:
         addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        shared = os.environ.get("NBDDP_STORE_PORT", "")
+        if shared and self.base_store is None and (generation is not None or not fresh):
+            # a local pool's store, in a process of its own: the first join, a rank that
+            # takes a dead one's place (in the re-form the pool says), or a re-form after
+            # a failed one (its connection may have been shut down)
+            self.base_store = dist.TCPStore(addr, int(shared), self.world_size, False)
+            os.environ["MASTER_PORT"] = shared
+            if generation is None:
+                generation = int(os.environ.get("NBDDP_GENERATION") or 0) or None
+            if generation is None:
+                return self.base_store
         if generation is not None and self.base_store is not None:
             return dist.PrefixStore(f"nbddp-reform-{generation}", self.base_store)
         if not (self.needs_port or fresh):

@@ -1,0 +1,69 @@
+"""``Pool.copy``: objects from one live rank's namespace to others (``%ddp copy``).
+
+The source rank packs them once (:func:`nbddp.worker_copy.pack`: big tensors
+written once to the pool's shared-memory folder, whatever the number of
+destinations); the notebook passes the pickle on unopened, and each
+destination binds them as it binds ``--need`` objects, tensors on its own
+device. So a new rank that took a dead one's place is healed from a survivor:
+``pool.copy(["model", "opt"], 0, [2])``. An object bound to the process group
+(a DDP or FSDP wrapper, a DeviceMesh) is refused in one line that says what to
+copy instead.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from . import payload
+from .drive import drive
+from .errors import CaptureError
+from .outcome import failures_of, raise_for_end
+
+__all__ = ["Copied", "copy"]
+
+
+@dataclass(frozen=True)
+class Copied:
+    """What :func:`copy` did: for the line a front end says."""
+
+    names: tuple[str, ...]
+    src: int
+    dst: tuple[int, ...]
+    nbytes: int
+    seconds: float
+    shared: bool  # through the pool's shared-memory folder (a local pool)
+
+
+def copy(pool, names: list[str], src: int, dst: list[int] | None = None) -> Copied:
+    """Bind ``names`` from rank ``src``'s namespace in every rank of ``dst`` (all others by
+    default). CaptureError (one line) for a name the source lacks or cannot send."""
+    t0 = time.monotonic()
+    names = list(dict.fromkeys(names))
+    bad = [n for n in names if not n.isidentifier()]
+    if not names or bad:
+        raise CaptureError(f"not a name: {bad[0]!r}" if bad else "name the objects to copy")
+    n = pool.world_size
+    targets = [r for r in range(n) if r != src] if dst is None else sorted(set(dst))
+    for rank in [src, *targets]:
+        if not 0 <= rank < n:
+            raise CaptureError(f"no rank {rank} in a pool of {n}")
+    if src in targets:
+        raise CaptureError(f"rank {src} is the source: copy to the others")
+    if not targets:
+        raise CaptureError("no rank to copy to")
+    code = f"__import__('nbddp.worker_copy', fromlist=['pack']).pack(globals(), {names!r})"
+    end = drive(pool, pool.run(code, ranks=[src], want_values=True))
+    failures = failures_of(end, pool.hosts)
+    if failures:
+        what = getattr(failures[0], "message", "") or failures[0].summary
+        raise CaptureError(f"rank {src}: {what}")
+    data, files = end.values[src]
+    shipment = payload.Shipment(data, files)
+    try:
+        raise_for_end(drive(pool, pool.run("", ranks=targets, needs=shipment)), pool.hosts)
+    finally:
+        shipment.remove()
+    return Copied(
+        tuple(names), src, tuple(targets), shipment.nbytes, time.monotonic() - t0, bool(files)
+    )
