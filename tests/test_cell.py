@@ -81,6 +81,7 @@ class FakePool:
         self.notes: list[str] = []
         self.last_stacks: dict = {}
         self.mesh = self.groups = None
+        self.on_death, self.attached = "restart", False  # (replacing: test_replace.py)
         self.procs = FakeProcs()
         self.sent: list = []
         self.lose_calls = 0
@@ -412,7 +413,7 @@ def test_a_tick_after_a_quiet_wait():
 # ---------------------------------------------------------------- deaths
 
 
-def test_a_gone_rank_is_dead_and_the_pool_stops_the_others():
+def test_a_gone_rank_is_dead_and_on_death_restart_stops_the_others():
     pool = FakePool(2)
     events = run_cell(pool, [[Text(1, "stdout", "x"), Gone(1)]])
     assert P.Output(1, "stderr", "last words of 1\n") in events  # drained first

@@ -65,6 +65,7 @@ def test_the_root_cause_is_first_whatever_order_the_reports_arrived_in():
             3: P.ErrorInfo("RuntimeError", GLOO, "tb", when=10.1, collective="all_reduce"),
         },
         exits={2: P.RankExit(2, -9, when=10.5), 0: P.RankExit(0, -9, True, 10.6)},
+        kept=False,  # the pool stopped rank 0 (on_death="restart"): no "state kept"
     )
     with pytest.raises(CellFailed) as err:
         raise_for_end(end)

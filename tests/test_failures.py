@@ -24,7 +24,6 @@ from nbddp import Pool
 from nbddp import protocol as P
 from nbddp.errors import CellFailed, CellInterrupted
 from nbddp.pool import raise_for_end
-from nbddp.stacks import rank_set
 
 SIZES = [2, 3, 4, 8]
 HEAD = "import torch.distributed as dist\nt = torch.ones(1)\n"
@@ -36,14 +35,14 @@ class Case:
     name: str
     code: str  # BAD is the failing rank
     first: str  # regex: the error's first line (the root cause)
-    kept: bool  # every rank's state survives
+    kept: bool  # every rank's state survives (for a death: every other rank's)
     interrupt: str = ""  # "all" / "bad": interrupted once those ranks printed "ready"
     timeout: float | None = None
     want_values: bool = False
-    freed: bool | None = False  # the others are named as freed from a collective, in one line
-    # (None: a death; peers whose gloo error arrived before the pool stopped them are folded)
+    freed: bool = False  # the others are named as freed from a collective, in one line
     where: tuple[str, ...] = ()  # regexes the "where the ranks were" lines must match
     output: tuple[str, str] | None = None  # (stream, text) the failing rank printed
+    died: bool = False  # the failing rank's process ends: a new one takes its place
 
 
 CASES = [
@@ -100,25 +99,28 @@ CASES = [
         HEAD + "import os\nif rank == BAD:\n    print('bye', flush=True)\n    os._exit(7)\n"
         "dist.all_reduce(t)",
         r"rank BAD died \(exit code 7\)",
-        False,
-        freed=None,
+        True,
+        freed=True,
         output=("stdout", "bye\n"),
+        died=True,
     ),
     Case(
         "SIGKILL before a collective",
         HEAD + "import os, signal\nif rank == BAD:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
         "dist.all_reduce(t)",
         r"rank BAD died \(killed by SIGKILL\)",
-        False,
-        freed=None,
+        True,
+        freed=True,
+        died=True,
     ),
     Case(
         "SIGSEGV",
         HEAD + "import ctypes\nif rank == BAD:\n    ctypes.string_at(0)\ndist.all_reduce(t)",
         r"rank BAD died \(killed by SIGSEGV\)",
-        False,
-        freed=None,
+        True,
+        freed=True,
         output=("stderr", "Fatal Python error: Segmentation fault"),
+        died=True,
     ),
     Case(
         "unpicklable value",
@@ -218,21 +220,12 @@ def test_fault_matrix(sized_pool, case):
     )
     if case.freed:
         assert freed_line, message
-        assert freed_line.group(3) == f"rank {bad} failed", message
+        how = "died" if case.died else "failed"
+        assert freed_line.group(3) == f"rank {bad} {how}; state kept", message
         assert sorted(f.rank for f in failed.value.consequences) == others
         # in the dashboard, the root cause is red and the others are "freed"
-        assert P.RankState(bad, "failed") in seen
+        assert P.RankState(bad, "dead" if case.died else "failed") in seen
         assert all(P.RankState(r, "freed") in seen for r in others), seen
-    elif case.freed is None:  # a death: the dead rank is the one root cause; a peer is
-        # folded as freed when its gloo error came before the pool stopped it, else unnamed
-        assert [f.rank for f in failed.value.failures] == [bad], message
-        folded = sorted(f.rank for f in failed.value.consequences)
-        assert set(folded) <= set(others), message
-        if folded:
-            assert freed_line.group(0).startswith(f"{rank_set(folded)}: freed"), message
-            assert freed_line.group(3) == f"rank {bad} died", message
-        else:
-            assert freed_line is None, message
     else:
         assert freed_line is None, message
     if case.where:
@@ -245,7 +238,16 @@ def test_fault_matrix(sized_pool, case):
 
     # which ranks kept their state, and the next cell (a collective) works
     nxt = pool.execute("(kept if 'kept' in globals() else None, rank)")
-    if case.kept:
+    if case.died:  # every other rank kept its state; a new process took the dead one's place
+        assert nxt == [(None if r == bad else 100 + r, r) for r in range(n)]
+        assert [p for r, p in enumerate(pool.pids) if r != bad] == [
+            p for r, p in enumerate(pids) if r != bad
+        ]
+        assert pool.pids[bad] != pids[bad]
+        assert P.RankState(bad, "replaced") in seen
+        assert f"rank {bad}: a new process took its place; it had dist, kept (gone)" in end.notes
+        assert not any("lost" in note for note in end.notes), end.notes
+    elif case.kept:
         assert nxt == [(100 + r, r) for r in range(n)]
         assert pool.pids == pids  # the same processes
         assert not any("lost" in note for note in end.notes), end.notes

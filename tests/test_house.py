@@ -15,19 +15,24 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "nbddp"
 CORE = {
     "pool", "hub", "listener", "roster", "processes", "cell", "recovery", "outcome",
     "queries", "layout", "logs", "drive", "sigint", "supervisor", "launch", "payload",
-    "capture", "protocol", "events", "errors", "stacks", "streams", "sizes",
+    "capture", "protocol", "events", "errors", "stacks", "streams", "sizes", "store",
+    "copying",
 }  # fmt: skip
 FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",
     "dashboard", "dashboard_html", "dashboard_widget", "sinks", "fold", "export", "demo",
+    "remote",
 }  # fmt: skip
 WORKER = {
     "worker", "worker_control", "worker_group", "worker_shims", "worker_cell",
     "worker_code", "ddp", "debugger", "profiling", "collectives", "rich", "mpl_backend",
+    "worker_copy",
 }  # fmt: skip
 # shared by the notebook, the worker and the relay: the wire, errors as data, stacks, the
 # listener (the relay's is the notebook's), streams, shipped data, the launcher
-SHARED = {"protocol", "events", "errors", "stacks", "payload", "launch", "listener", "streams"}
+SHARED = {
+    "protocol", "events", "errors", "stacks", "payload", "launch", "listener", "streams", "store",
+}  # fmt: skip
 NOTEBOOK_SIDE = CORE - SHARED
 FRONT_END_LIBRARIES = ("IPython", "ipykernel", "ipywidgets", "anywidget")
 MAX_LINES = 450

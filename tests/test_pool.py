@@ -139,17 +139,15 @@ def test_an_unpicklable_value_is_reported_not_lost(pool):
 
 def test_output_before_a_death_is_kept_and_the_death_named(pool):
     code = "import os\nprint('last words', flush=True)\nif rank == 1:\n    os._exit(7)\n"
-    code += "import time\ntime.sleep(30)"
+    code += "import torch.distributed as dist\ndist.barrier()"
     text, _, end = collect(pool.run(code))
     assert text[1, "stdout"] == "last words\n"
     assert end.exits[1].returncode == 7
     assert not end.exits[1].stopped_by_pool
-    assert end.exits[0].stopped_by_pool
+    assert list(end.exits) == [1]  # rank 0 was freed from its barrier, not stopped
     with pytest.raises(CellFailed, match=r"rank 1 died \(exit code 7\)"):
         raise_for_end(end)
-    assert pool.needs_restart
-    _, _, end = collect(pool.run("rank"))
-    assert any("state was lost" in note or "state is lost" in note for note in end.notes)
+    assert not pool.needs_restart  # a new process took rank 1's place
     assert pool.execute("rank") == [0, 1]
 
 

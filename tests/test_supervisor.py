@@ -184,6 +184,24 @@ def test_a_death_stops_the_others_at_once_and_keeps_what_finished():
     assert ranks.sup.first_failure == (100.0, 1)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_a_death_with_replacing_aborts_the_group_at_once_and_stops_no_one(n):
+    ranks = FakeRanks(n, replace_dead=True)
+    ranks.finish(0)
+    ranks.sup.died(1, ranks.now)
+    running = tuple(range(2, n))
+    # no waiting for samples or abort_after (nothing at all when no rank still runs)
+    assert ranks.sup.deadline == (ranks.now if running else None)
+    actions = ranks.step()
+    assert (Action("abort", running) in actions) == bool(running), actions
+    assert not any(a.kind == "stop" for a in actions)
+    assert ranks.sup.stopped is None
+    assert ranks.sup.phase[1] == "dead"
+    for r in running:  # freed by the abort, they end as any rank does
+        ranks.finish(r, "error")
+    assert ranks.sup.finished
+
+
 def test_long_cells_are_sampled_and_a_place_is_reported_once_with_its_start():
     ranks = FakeRanks(2)
     ranks.places = {0: IN_REDUCE, 1: IN_SLEEP}

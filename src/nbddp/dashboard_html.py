@@ -20,10 +20,11 @@ STATE_COLOURS = {
     "interrupted": "#d9822b",
     "freed": "#d9822b",
     "dead": "#7f0000",
+    "replaced": "#7f0000",  # dead, and a new process took its place
     "waiting": "#b8860b",
     "debugging": "#6a1b9a",
 }
-FAILED_STATES = ("failed", "dead")
+FAILED_STATES = ("failed", "dead", "replaced")
 
 
 class RankView:
@@ -44,6 +45,8 @@ class RankView:
         if self.state == "running" and self.waiting is not None:
             op, since = self.waiting
             return f"waiting in {op} ({now - since:.0f} s)"
+        if self.state == "replaced":
+            return "dead: new process"
         return self.state
 
     def elapsed(self, now: float) -> float | None:

@@ -25,6 +25,7 @@ from .options import (
     SUBCOMMANDS,
     ddp_attach,
     ddp_cell,
+    ddp_copy,
     ddp_debug,
     ddp_export,
     ddp_pull,
@@ -37,6 +38,7 @@ from .options import (
 from .pool import Pool, raise_for_end
 from .prompts import debug_prompt, launcher_hints
 from .session import SESSION, Refused, say
+from .sizes import human
 
 __all__ = [  # (the parsers too: the docs' magics reference is made from them)
     "PARSERS",
@@ -44,6 +46,7 @@ __all__ = [  # (the parsers too: the docs' magics reference is made from them)
     "DDPMagics",
     "ddp_attach",
     "ddp_cell",
+    "ddp_copy",
     "ddp_debug",
     "ddp_export",
     "ddp_pull",
@@ -133,6 +136,7 @@ class DDPMagics(Magics):
             log_dir=log_dir,
             debug=args.debug or None,
             threads=args.threads,
+            on_death=args.on_death,
         )
 
     def _attach(self, rest: str) -> None:
@@ -218,6 +222,23 @@ class DDPMagics(Magics):
         if args.all:
             return [end.values.get(r) for r in range(pool.world_size)]
         return end.values.get(args.rank)
+
+    def _copy(self, rest: str) -> None:
+        args = parse_argstring(ddp_copy, rest)
+        names = capture.split_names(" ".join(args.names))
+        pool = self.pool
+        if pool is None or not pool.started:
+            raise UsageError("no pool is running: there is nothing to copy")
+        if not 0 <= args.src < pool.world_size:
+            raise UsageError(f"--from: no rank {args.src} in a pool of {pool.world_size}")
+        to = capture.parse_ranks(args.to, pool.world_size) if args.to else None
+        done = pool.copy(names, args.src, to)
+        how = "through shared memory" if done.shared else "in the message"
+        say(
+            f"copied {', '.join(done.names)} from rank {done.src} to "
+            f"{stacks.rank_set(list(done.dst))} ({human(done.nbytes)} {how}, "
+            f"{done.seconds:.2f} s)"
+        )
 
     def _run(self, rest: str) -> None:
         args = parse_argstring(ddp_run, rest)

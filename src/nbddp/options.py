@@ -27,6 +27,7 @@ SUBCOMMANDS = (
     "interrupt",
     "push",
     "pull",
+    "copy",
     "run",
     "export",
     "debug",
@@ -123,6 +124,13 @@ def ddp_cell(line, cell):
     help="torch's collective checks (TORCH_DISTRIBUTED_DEBUG=DETAIL): a mismatch fails at once",
 )
 @argument(
+    "--on-death",
+    choices=("replace", "restart"),
+    default="replace",
+    help="a rank that dies: a new process takes its place, the others keep their state "
+    "(replace), or the whole pool restarts (restart)",
+)
+@argument(
     "--threads",
     type=_threads,
     help="intra-op threads per rank: N, or auto (cores / ranks); default as torchrun (1)",
@@ -146,6 +154,15 @@ def ddp_attach(line):
 @argument("--ranks", help="only these ranks: '0,2-3'")
 def ddp_push(line):
     """Bind notebook objects on the ranks."""
+
+
+@magic_arguments()
+@argument("names", nargs="+", help="names on the source rank: 'model opt' or 'model,opt'")
+@argument("--from", dest="src", type=int, required=True, help="the rank to copy from")
+@argument("--to", help="the ranks to copy to: '2' or '1-3' (default: every other rank)")
+def ddp_copy(line):
+    """Copy objects from one live rank's namespace to others (a new rank heals from a
+    survivor): ``%ddp copy model opt --from 0 --to 2``."""
 
 
 @magic_arguments()
@@ -188,6 +205,7 @@ PARSERS = {
     "%ddp attach": ddp_attach,
     "%ddp push": ddp_push,
     "%ddp pull": ddp_pull,
+    "%ddp copy": ddp_copy,
     "%ddp run": ddp_run,
     "%ddp export": ddp_export,
     "%ddp debug": ddp_debug,

@@ -123,10 +123,13 @@ def _replaced_notes(pool, had: dict[int, frozenset[str]], took: float) -> list[s
             + (f"it had {held} (gone)" if gone else "it had nothing of its own")
         )
     new = S.rank_set(sorted(had)).replace("rank", "new rank", 1)
-    notes.append(
-        f"the process group was re-formed with the {new} in {took:.2f} s; every other rank "
-        f"kept its namespace; {STALE}" + _rebuilt(pool)
-    )
+    if len(had) < pool.world_size:
+        notes.append(
+            f"the process group was re-formed with the {new} in {took:.2f} s; every other "
+            f"rank kept its namespace; {STALE}" + _rebuilt(pool)
+        )
+    else:
+        notes.append(f"the process group was formed again with the {new} in {took:.2f} s")
     for rank in sorted(had):
         if pool.roster.deaths.get(rank) and pool.roster.last_exit.get(rank) == -signal.SIGKILL:
             notes.append(_oom_hint(rank))
@@ -171,7 +174,7 @@ def _form_again(pool, dead: list[int], timeout: float) -> dict[int, frozenset[st
     roster, requests = pool.roster, pool.requests
     roster.store_port = None
     had: dict[int, frozenset[str]] = {}
-    pending, fresh = sorted(dead), set()
+    pending, fresh, again = sorted(dead), set(), False
     requests.reforming, requests.cancel_wait = True, False
     try:
         while True:
@@ -179,19 +182,21 @@ def _form_again(pool, dead: list[int], timeout: float) -> dict[int, frozenset[st
                 _count_death(pool, rank)
                 had.setdefault(rank, roster[rank].names)
             restart = sorted(set(pending) | fresh)  # new ones have no state: start them again
-            _end_processes(pool, [roster[rank] for rank in restart])
+            if restart:
+                _end_processes(pool, [roster[rank] for rank in restart])
             roster.reforms += 1
             survivors = [r for r in roster.ranks.values() if r.rank not in restart]
             for rank in restart:
                 pid = pool.procs.start(rank, pool.address, rank_env(pool, rank, roster.reforms))
                 roster.add(rank, pid)
-            pool.hub.forget_sentinels()  # the dead ones' fd numbers may come back
+            if restart:
+                pool.hub.forget_sentinels()  # the dead ones' fd numbers may come back
             for r in survivors:
                 r.state = "starting"
-                if fresh:  # free those waiting in the re-form a death broke
+                if again:  # free those waiting in the re-form a death broke
                     r.send(P.AbortGroup())
                 r.send(P.Reform(roster.reforms))
-            fresh = set(restart)
+            fresh, again = set(restart), True
             try:
                 pool.handshake(timeout, lambda: requests.cancel_wait)
                 return had
@@ -199,6 +204,8 @@ def _form_again(pool, dead: list[int], timeout: float) -> dict[int, frozenset[st
                 if not can_replace(pool):
                     raise
                 pending = [gone.rank]
+                code = pool.exit_code(roster[gone.rank])
+                pool.notes.append(f"{RankDied(gone.rank, code).summary} as the group re-formed")
     finally:
         requests.reforming = False
 
@@ -291,8 +298,7 @@ def ready_for_a_cell(pool) -> None:
             pool.notes.append(f"{RankDied(rank, r.returncode).summary} since the last cell")
         events = list(replace(pool, gone))
         pool.roster.backlog += [e for e in events if type(e) is P.Output]
-        return
-    if gone or pool.needs_restart:
+    elif gone or pool.needs_restart:
         why = ", ".join(RankDied(rank, pool.exit_code(pool.roster[rank])).summary for rank in gone)
         pool.lose()
         pool.notes.append(

@@ -186,6 +186,11 @@ class GroupKeeper:
 
     def _form(self, fresh: bool, generation: int | None) -> DDPContext:
         dist.set_debug_level_from_env()  # torch read it when the fork server imported it
+        if not dist.is_initialized():
+            # the default group is named by a counter that destroying it resets; a join
+            # that failed (a peer died) counted too: a new rank's group must be named the
+            # same as the survivors' (else they wait under different names for ever)
+            dist.distributed_c10d._world.group_count = 0
         store = self._store(fresh, generation)
         ctx = self._context(store, fresh)
         ctx.__enter__()
