@@ -28,6 +28,7 @@ _._export
 _._debug
 _._run
 _._attach
+_._copy
 # matplotlib's backend protocol (MPLBACKEND=module://nbddp.mpl_backend)
 FigureCanvas
 FigureManager
@@ -40,3 +41,5 @@ _.execute
 _.mode
 # pdb reads its commands with stdin.readline() (nbddp.debugger.Remote is its stdin)
 _.readline
+# torch's counter of unnamed groups: reset before a join, as destroying WORLD resets it
+_.group_count

@@ -8,7 +8,14 @@ rank is N-2 (rank 0 of 2):
   cell's error in the notebook;
 - recover: seconds from that error to the next trivial cell's result
   (restarting the pool where state was lost);
-- state: whether the ranks' namespaces survived.
+- state: whether the ranks' namespaces survived (``kept``: every rank's;
+  ``others``: every rank's but the dead one's, which a new process replaced).
+
+Then, for a rank that dies (SIGKILL while the others wait in all_reduce), the
+two ``--on-death`` modes side by side: seconds from the death to the cell's
+error, and to a ready group of N (the result of an all_reduce over all ranks
+in the next cell). ``replace`` (the default) keeps the survivors' state and
+forks one new process; ``restart`` (the old behaviour) starts every rank anew.
 
 Interrupts are sent once every rank has printed "ready" (the line before the
 one it blocks on) and 0.3 s more have passed.
@@ -116,8 +123,79 @@ def nbddp_case(pool, code: str, interrupted: bool) -> dict:
     return {
         "detect_s": end_t - fail_at,
         "recover_s": time.perf_counter() - t0,
-        "state_kept": values == list(range(n)),
+        "state_kept": _state(values, n),
     }
+
+
+def _state(values: list, n: int) -> str:
+    if values == list(range(n)):
+        return "kept"
+    lost = [r for r in range(n) if values[r] != r]
+    return "others" if len(lost) == 1 and values.count(None) == 1 else "lost"
+
+
+DEATH = (
+    COLL
+    + READY
+    + "import time\nif rank == BAD:\n    time.sleep(0.3)\n    "
+    + MARK.replace("\n", "\n    ")
+    + "import os; os.kill(os.getpid(), 9)\ndist.all_reduce(t)"
+)
+SUM = COLL + "dist.all_reduce(t)\nt.item()"
+
+
+def death_case(pool, bad: int) -> dict:
+    """A SIGKILL of ``bad`` while the others wait in all_reduce: seconds to the cell's
+    error, and to the result of an all_reduce over every rank (a ready group)."""
+    from nbddp import protocol as P
+
+    n = pool.world_size
+    pool.execute(COLL + "kept = rank")
+    pool.roster.deaths.clear()  # repeated deaths here are the benchmark's, not a crash loop
+    fail_at = end_t = None
+    for ev in pool.run(DEATH.replace("BAD", str(bad)), tick=0.02):
+        if isinstance(ev, P.Output) and (m := FAIL_AT.search(ev.text)):
+            fail_at = float(m.group(1))
+        if isinstance(ev, P.CellEnd):
+            end_t = time.time()
+    total = pool.execute(SUM)
+    ready_t = time.time()
+    values = pool.execute("kept if 'kept' in globals() else None")
+    assert total == [float(n)] * n, total
+    return {"error_s": end_t - fail_at, "ready_s": ready_t - fail_at, "state": _state(values, n)}
+
+
+def run_deaths(n: int, repeat: int) -> dict:
+    from nbddp import Pool
+
+    results = {}
+    for mode in ("replace", "restart"):
+        with Pool(n, on_death=mode) as pool:
+            pool.execute("1")
+            runs = [death_case(pool, (n - 1 - i) % n) for i in range(repeat)]
+        results[mode] = {
+            "error_s": statistics.median(r["error_s"] for r in runs),
+            "ready_s": statistics.median(r["ready_s"] for r in runs),
+            "max_ready_s": max(r["ready_s"] for r in runs),
+            "state": sorted({r["state"] for r in runs}),
+        }
+    return results
+
+
+def death_table(n: int, r: dict) -> list[str]:
+    rep, res = r["replace"], r["restart"]
+    return [
+        f"{n} ranks, a rank SIGKILLed in all_reduce (ranks {n - 1}, {n - 2}, ...; median of "
+        "the runs, worst in brackets): seconds from the death",
+        f"{'--on-death':<10} {'to the error':>12} {'to a ready group of N':>22} {'state':>8}",
+        *(
+            f"{mode:<10} {fmt(x['error_s']):>12} "
+            f"{fmt(x['ready_s']) + ' [' + fmt(x['max_ready_s']) + ']':>22} "
+            f"{'/'.join(x['state']):>8}"
+            for mode, x in r.items()
+        ),
+        f"restart / replace, to a ready group: {res['ready_s'] / rep['ready_s']:.1f}x",
+    ]
 
 
 def free_port() -> int:
@@ -199,7 +277,7 @@ def run_size(n: int, args) -> dict:
         results["nbddp"][name] = {
             "detect_s": statistics.median(r["detect_s"] for r in runs),
             "recover_s": statistics.median(r["recover_s"] for r in runs),
-            "state_kept": all(r["state_kept"] for r in runs),
+            "state_kept": "/".join(sorted({r["state_kept"] for r in runs})),
         }
         if on_ipp and not args.no_ipyparallel:
             results["ipyparallel"][name] = ipp_case(
@@ -219,10 +297,7 @@ def table(n: int, results: dict) -> list[str]:
     lines.append(head)
     for name in CASES:
         r = results["nbddp"][name]
-        line = (
-            f"{name:<42} {fmt(r['detect_s']):>12} {fmt(r['recover_s']):>8} "
-            f"{'kept' if r['state_kept'] else 'lost':>6}"
-        )
+        line = f"{name:<42} {fmt(r['detect_s']):>12} {fmt(r['recover_s']):>8} {r['state_kept']:>6}"
         if name in results["ipyparallel"]:
             i = results["ipyparallel"][name]
             what = fmt(i["detect_s"]) if i["detect_s"] is not None else i["outcome"]
@@ -239,13 +314,18 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--limit", type=float, default=20.0)
     parser.add_argument("--no-ipyparallel", action="store_true")
+    parser.add_argument("--deaths-only", action="store_true", help="only the death section")
     parser.add_argument("--json")
     args = parser.parse_args()
 
-    everything = {}
+    everything: dict = {"deaths": {}}
     for n in args.ranks:
-        everything[n] = run_size(n, args)
-        print("\n".join(table(n, everything[n])), flush=True)
+        if not args.deaths_only:
+            everything[n] = run_size(n, args)
+            print("\n".join(table(n, everything[n])), flush=True)
+    for n in args.ranks:
+        everything["deaths"][n] = run_deaths(n, args.repeat)
+        print("\n" + "\n".join(death_table(n, everything["deaths"][n])), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(everything, f, indent=2)

@@ -429,9 +429,10 @@ FAILURES = [
         "# Failures and recovery\n\n"
         "What you see, on 4 ranks, when a rank raises, when a rank fails while the others "
         "wait for it in a collective, when a cell calls `sys.exit`, when a cell is stuck "
-        "and interrupted (here by `--timeout`, as the stop button would), when collectives "
-        "do not match, and when a rank dies. Cells that fail on purpose are tagged "
-        "`raises-exception`."
+        "and interrupted (here by `--timeout`, as the stop button would), when a rank's "
+        "process dies (a new process takes its place, the others keep their state, and "
+        "`%ddp copy` heals it), and when collectives do not match. Cells that fail on "
+        "purpose are tagged `raises-exception`."
     ),
     new_code_cell("%load_ext nbddp"),
     new_code_cell(
@@ -473,13 +474,83 @@ FAILURES = [
         "when the last cell was stopped:"
     ),
     new_code_cell("%ddp stacks"),
-    new_markdown_cell("## A rank dies\n\nWhat it printed first still arrives:"),
-    raises(
-        "%%ddp\nimport os\nprint('last words', flush=True)\n"
-        "if rank == 1:\n    os._exit(3)\ntime.sleep(30)"
+    new_markdown_cell(
+        "## A rank dies\n\n"
+        "Every rank trains a small model, averaging its gradients with `all_reduce` as DDP "
+        "would:"
     ),
-    new_markdown_cell("The next cell starts a new pool and says the state was lost:"),
-    new_code_cell("%%ddp\nprint('kept' in globals())"),
+    new_code_cell(
+        "%%ddp\n"
+        "torch.manual_seed(0)                      # the same initial weights on every rank\n"
+        "model = torch.nn.Linear(8, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+        "g = torch.Generator().manual_seed(rank)   # each rank its own data\n"
+        "for step in range(1, 21):\n"
+        "    x = torch.randn(32, 8, generator=g)\n"
+        "    loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()\n"
+        "    opt.zero_grad()\n"
+        "    loss.backward()\n"
+        "    for p in model.parameters():\n"
+        "        dist.all_reduce(p.grad)\n"
+        "        p.grad /= world_size\n"
+        "    opt.step()\n"
+        "print(f'step {step}: loss {loss.item():.3f}')"
+    ),
+    new_markdown_cell(
+        "Now rank 2's process is killed (SIGKILL, as the out-of-memory killer would do) "
+        "while the others wait for it in `all_reduce`. What it printed first still arrives. "
+        "The others are freed at once and keep their state; a new process takes rank 2's "
+        "place (same rank, same device), and the group is re-formed with all 4 ranks. The "
+        "error says so, the root cause first, and lists what the old rank 2 held:"
+    ),
+    raises(
+        "%%ddp\n"
+        "import os, signal\n"
+        "t = torch.ones(1)\n"
+        "if rank == 2:\n"
+        "    print('rank 2: about to be killed', flush=True)\n"
+        "    time.sleep(0.5)                       # the others wait in all_reduce by now\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "dist.all_reduce(t)"
+    ),
+    new_markdown_cell(
+        "The survivors kept everything. Rank 2 is a new process with a fresh namespace: "
+        "`rank`, `world_size`, `device` and the process group; the next cell replays the "
+        "imports to it (the notebook's, and those of `%%ddp` cells that ran on every rank) "
+        "and ships it the notebook objects the cell uses, as for any rank that lacks them. "
+        "What the old rank 2 made in its cells went with it:"
+    ),
+    new_code_cell(
+        "%%ddp\n"
+        "import os\n"
+        "if 'model' in globals():\n"
+        "    print(f'rank {rank} (pid {os.getpid()}): step {step}, {kept}')\n"
+        "else:\n"
+        "    print(f'rank {rank} (pid {os.getpid()}): a new process, nothing of its own')"
+    ),
+    new_markdown_cell(
+        "## Healing the new rank: `%ddp copy`\n\n"
+        "`%ddp copy NAMES --from R --to RANKS` copies objects from a live rank's namespace "
+        "to others (big tensors through shared memory, written once for every "
+        "destination), tensors landing on each rank's own device. A model and its "
+        "optimizer copied together stay linked. "
+        "Rank 0's model, optimizer and step counter to rank 2:"
+    ),
+    new_code_cell("%ddp copy model opt step --from 0 --to 2"),
+    new_markdown_cell("Every rank holds the same parameters again (one folded line):"),
+    new_code_cell(
+        "%%ddp\n"
+        "total = sum(p.sum().item() for p in model.parameters())\n"
+        "print(f'step {step}: parameter sum {total:.6f}')"
+    ),
+    new_markdown_cell(
+        "And the group has its 4 ranks. Training goes on from here. Objects bound to the old group "
+        "(a DDP wrapper, a device mesh, subgroups) would have to be rebuilt on every rank; "
+        "`%ddp copy` refuses them and says what to copy instead. `%ddp start --on-death "
+        "restart` gives the old behaviour: the whole pool restarts and every rank's state "
+        "is lost."
+    ),
+    new_code_cell("%%ddp\nt = torch.ones(1) * rank\ndist.all_reduce(t)\nprint(t)"),
     new_markdown_cell(
         "## Collectives that do not match\n\n"
         "With `%ddp start --debug` (torch's `TORCH_DISTRIBUTED_DEBUG=DETAIL`), a rank in "

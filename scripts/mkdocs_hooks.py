@@ -9,18 +9,14 @@ def magics_help() -> str:
     from nbddp import magics
 
     parts = []
-    for title, parser in [
-        ("%%ddp", magics.ddp_cell),
-        ("%ddp start", magics.ddp_start),
-        ("%ddp attach", magics.ddp_attach),
-        ("%ddp push", magics.ddp_push),
-        ("%ddp pull", magics.ddp_pull),
-    ]:
+    for title, parser in magics.PARSERS.items():  # every magic with options
         text = parser.parser.format_help().replace("usage: ", "usage: %", 1)
         parts.append(f"### `{title}`\n\n```text\n{text.rstrip()}\n```\n")
     commands = ", ".join(f"`{c}`" for c in magics.SUBCOMMANDS)
-    parts.append(f"`%ddp` commands: {commands} (`status`, `stacks`, `restart`, "
-                 "`stop` and `interrupt` take no options).\n")
+    parts.append(
+        f"`%ddp` commands: {commands} (`status`, `stacks`, `restart`, "
+        "`stop` and `interrupt` take no options).\n"
+    )
     return "\n".join(parts)
 
 

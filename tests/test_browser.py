@@ -287,3 +287,86 @@ def test_a_breakpoint_in_a_rank_asks_in_the_cells_input_box(lab, page):
         expect(cell.locator(".jp-Stdin-input")).to_have_count(2)  # two lines, no third box
     finally:
         page.screenshot(path=str(ARTIFACTS / "debugger-end.png"), full_page=True)
+
+
+# rank 2 of 4 kills itself while the others wait for it in all_reduce; the cell after it
+CELLS_REPLACED = [
+    "%load_ext nbddp",
+    "%%ddp -n 4\n"
+    "import os, signal, time, torch.distributed as dist\n"
+    "kept = rank * 10\n"
+    "t = torch.ones(1)\n"
+    "print(f'ready on rank {rank}')\n"
+    "if rank == 2:\n"
+    "    time.sleep(2)  # the others wait in all_reduce meanwhile\n"
+    "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    "dist.all_reduce(t)",
+    "%%ddp\n"
+    "import torch.distributed as dist\n"
+    "t = torch.ones(1) * (rank + 1)\n"
+    "dist.all_reduce(t)\n"
+    "print(f'sum {t.item():g}')\n"
+    "print(f\"kept {globals().get('kept')}\")",
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lab", [CELLS_REPLACED], indirect=True)
+def test_a_rank_of_four_killed_in_a_collective_is_replaced_and_the_next_cell_runs(
+    lab, page, tmp_path
+):
+    expect = playwright.expect
+    url, _ = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    try:
+        cell = run_all(page, url)  # "Run all" stops at the cell's error
+        error = cell.locator(
+            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+        )
+        expect(error).to_contain_text("rank 2 died (killed by SIGKILL)", timeout=120_000)
+        expect(error).to_contain_text(
+            "ranks 0, 1, 3: freed from a collective (all_reduce) after rank 2 died; state kept"
+        )
+        expect(error).to_contain_text("rank 2: a new process took its place; it had ")
+        expect(error).to_contain_text("the process group was re-formed with the new rank 2")
+        expect(cell.locator(".jp-InputArea-prompt")).not_to_contain_text("[*]")
+        # the dashboard: rank 2's row red and saying it has a new process, the others freed
+        dead = cell.locator(".nbddp-row.nbddp-replaced")
+        expect(dead).to_have_count(1)
+        assert dead.get_attribute("data-rank") == "2"
+        expect(dead).to_contain_text("dead: new process")
+        assert dead.evaluate("e => getComputedStyle(e).backgroundColor") == "rgb(253, 231, 231)"
+        freed = cell.locator(".nbddp-row.nbddp-freed")
+        expect(freed).to_have_count(3)
+        assert sorted(freed.nth(i).get_attribute("data-rank") for i in range(3)) == ["0", "1", "3"]
+        for i in range(3):
+            expect(freed.nth(i)).to_contain_text("freed")
+        expect(cell.locator(".jupyter-widgets")).to_have_count(0)  # frozen
+        # the next cell, run by hand: all 4 ranks, the survivors' state kept
+        cells = page.locator(".jp-Notebook .jp-Cell")
+        after = cells.nth(2)
+        after.locator(".jp-InputPrompt").click()
+        page.keyboard.press("Escape")
+        page.keyboard.press("Control+Enter")  # run it, add no cell below
+        expect(after.locator(".nbddp-row.nbddp-done")).to_have_count(4, timeout=60_000)
+        expect(after.locator(".jp-InputArea-prompt")).not_to_contain_text("[*]")
+        expect(after.locator(".jupyter-widgets")).to_have_count(0)
+        log = after.locator("details.nbddp-log-all .nbddp-pane")
+        expect(log).to_contain_text("[0-3] sum 10")
+        for rank, kept in enumerate(["0", "10", "None", "30"]):
+            expect(log).to_contain_text(f"[{rank}] kept {kept}")
+        stderr = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+        expect(after.locator(stderr)).to_have_count(0)  # no error, no note of lost state
+        # the picture (docs/img/replaced-rank.png): the notebook alone, both cells whole
+        page.evaluate(
+            "() => { window.jupyterapp.commands.execute('application:toggle-left-area'); }"
+        )
+        expect(page.locator(".jp-DirListing")).to_be_hidden()
+        page.set_viewport_size({"width": 1100, "height": 1500})
+        panel = page.locator(".jp-NotebookPanel").bounding_box()
+        first, last = cells.nth(0).bounding_box(), after.bounding_box()
+        top, bottom = first["y"] - 10, last["y"] + last["height"] + 10
+        clip = {"x": panel["x"], "y": top, "width": panel["width"], "height": bottom - top}
+        page.screenshot(path=str(tmp_path / "replaced-rank.png"), clip=clip)
+    finally:
+        page.screenshot(path=str(ARTIFACTS / "replaced-rank.png"), full_page=True)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import collect
 from nbddp import Pool
 from nbddp.capture import pack
+from nbddp.pool import raise_for_end
 
 pytestmark = [
     pytest.mark.cuda,
@@ -51,3 +53,35 @@ def test_a_rank_error_in_a_nccl_collective_does_not_hang(gpu_pool):
     end = events[-1]
     assert "ValueError" in end.errors[0].exc_type
     assert gpu_pool.execute("rank") == list(range(gpu_pool.world_size))
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_killed_in_a_nccl_collective_is_replaced_on_its_own_gpu(gpu_pool):
+    """The survivors' communicators are aborted and their processes live on (NCCL's
+    watchdog in CleanUpOnly mode); the new rank takes the same GPU; NCCL works after."""
+    n = gpu_pool.world_size
+    bad = n - 1
+    gpu_pool.execute(
+        "import torch.distributed as dist\nkept = torch.full((4,), float(rank), device=device)"
+    )
+    pids = list(gpu_pool.pids)
+    code = (
+        "import os, signal\nt = torch.ones(1, device=device)\ndist.all_reduce(t)\n"
+        f"if rank == {bad}:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "dist.all_reduce(t)\ntorch.cuda.synchronize()"
+    )
+    _, _, end = collect(gpu_pool.run(code))
+    with pytest.raises(Exception, match=rf"rank {bad} died \(killed by SIGKILL\)"):
+        raise_for_end(end)
+    assert [p for r, p in enumerate(gpu_pool.pids) if r != bad] == pids[:bad] + pids[bad + 1 :]
+    assert gpu_pool.pids[bad] != pids[bad]
+    check = (
+        "import os, torch.distributed as dist\nt = torch.ones(1, device=device)\n"
+        "dist.all_reduce(t)\n"
+        "(str(device), torch.cuda.current_device(), t.item(),\n"
+        " kept.sum().item() if 'kept' in globals() else None,\n"
+        " os.environ.get('TORCH_NCCL_ASYNC_ERROR_HANDLING'))"
+    )
+    assert gpu_pool.execute(check) == [
+        (f"cuda:{r}", r, float(n), None if r == bad else 4.0 * r, "2") for r in range(n)
+    ]

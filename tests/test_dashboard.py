@@ -182,6 +182,23 @@ def test_a_failed_rank_turns_red_and_its_log_opens():
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_a_dead_rank_replaced_by_a_new_process_says_so_in_its_red_row(n):
+    ranks = tuple(range(n))
+    d, _ = dashboard(ranks=ranks)
+    start(d, ranks)
+    d.handle(P.RankState(n - 1, "dead"))
+    for r in ranks[:-1]:
+        d.handle(P.RankState(r, "freed"))
+    d.handle(P.RankState(n - 1, "replaced"))
+    d.close(P.CellEnd(1, ranks, exits={n - 1: P.RankExit(n - 1, -9)}))
+    assert d.widget.focus == n - 1  # its log is the one open
+    row = d.widget.rows.split(f"data-rank='{n - 1}'")[1].split("</tr>")[0]
+    assert "dead: new process" in row
+    assert "background:#fde7e7" in row
+    assert "color:#7f0000" in row  # the dark red of a death
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_the_live_log_is_folded_with_rank_sets_and_streams_told_apart(n):
     d, clock = dashboard(ranks=range(n))
     start(d, range(n))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
@@ -94,6 +97,12 @@ BAD_INPUT = [
     ("%ddp", "%ddp needs a command"),
     ("%ddp push nope", "name 'nope' is not defined"),
     ("%ddp pull x --rank 9", "no rank 9 in a pool of 2"),
+    ("%ddp copy kept", "the following arguments are required: --from"),
+    ("%ddp copy kept --from 9", "--from: no rank 9 in a pool of 2"),
+    ("%ddp copy nope --from 0", "rank 0: name 'nope' is not defined on this rank"),
+    ("%ddp copy kept --from 0 --to 0", "rank 0 is the source: copy to the others"),
+    ("%ddp copy kept --from 0 --to 7", "no rank 7 in a pool of 2"),
+    ("%ddp start --on-death never", "argument --on-death: invalid choice: 'never'"),
 ]
 
 
@@ -112,6 +121,38 @@ def test_bad_input_is_one_line_and_leaves_the_pool_as_it_was(shell, run, cell, m
     assert shell.user_ns["k"] == [0, 1]
     result, _ = run("%%ddp --out m\n'marker' in globals()")
     assert shell.user_ns["m"] == [False, False]  # no rank ran the bad cell
+
+
+def test_a_dead_rank_is_replaced_and_copy_heals_it(shell, run):
+    """Automatic capture and the notebook's imports reach the new rank; %ddp copy gives
+    it rank 0's model."""
+    run("import math\nscale = 3")
+    assert run("%%ddp -n 3\ntorch.manual_seed(rank)\nmodel = torch.nn.Linear(3, 2)\nstep = rank")[
+        0
+    ].success
+    assert run("%%ddp\nimport json as js")[0].success  # a rank's own import
+    result, out = run("%%ddp\nimport os\nif rank == 2:\n    os._exit(3)")
+    message = str(result.error_in_exec)
+    assert message.splitlines()[0] == "rank 2 died (exit code 3)", message
+    assert (
+        "rank 2: a new process took its place; it had model, step (gone) and had imported js, math"
+        in message.splitlines()
+    ), message
+    result, out = run(
+        "%%ddp --out seen\n(step if 'step' in globals() else None, math.pi * scale, js.dumps(1))"
+    )
+    assert result.success, out
+    assert re.search(r"replayed \d+ imports", out), out  # the notebook's and cells', again
+    pi3 = math.pi * 3
+    assert shell.user_ns["seen"] == [(0, pi3, "1"), (1, pi3, "1"), (None, pi3, "1")]
+    result, out = run("%ddp copy model --from 0 --to 2")
+    assert result.success, out
+    assert re.fullmatch(
+        r"nbddp: copied model from rank 0 to rank 2 \(.+ in the message, .+ s\)\n", out
+    )
+    run("%%ddp --out sums\nsum(p.sum().item() for p in model.parameters())")
+    sums = shell.user_ns["sums"]
+    assert sums[2] == sums[0] != sums[1]
 
 
 def test_a_new_size_restarts_the_pool_in_one_line(shell, run):

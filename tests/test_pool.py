@@ -263,10 +263,14 @@ def test_nothing_listens_beyond_loopback_and_the_listener_is_private(pool):
     assert stat.S_IMODE(os.stat(listener_dir).st_mode) == 0o700
     assert pool.listener.sock.family == socket.AF_UNIX
     pool.execute("import torch.distributed as dist\ndist.barrier()")
-    for pid in [*pool.pids, os.getpid()]:
+    store = pool.procs.store[0]  # the group's store, in a process of its own
+    listening = 0
+    for pid in [*pool.pids, os.getpid(), store]:
         for conn in psutil.Process(pid).net_connections(kind="inet"):
+            listening += pid == store and conn.status == psutil.CONN_LISTEN
             if conn.status == psutil.CONN_LISTEN:
                 assert conn.laddr.ip in ("127.0.0.1", "::1"), (pid, conn)
+    assert listening == 1
 
 
 def test_fork_is_refused_when_cuda_is_initialised_in_the_notebook(monkeypatch):

@@ -30,7 +30,7 @@ from nbddp.errors import CaptureError, CellFailed
 from nbddp.pool import raise_for_end
 
 SIZES = [2, 3, 4, 8]
-HAD = r"rank R: a new process took its place; it had (.*) \(gone\)"
+HAD = r"rank R: a new process took its place; it had (.*) \(gone\) and had imported (.*)"
 SUM = "import torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
 
 
@@ -68,7 +68,9 @@ def _check_replaced(pool, end, dead: list[int], pids: list[int]) -> None:
     for r in dead:
         said = [m for n in end.notes if (m := re.fullmatch(HAD.replace("R", str(r)), n))]
         assert said, end.notes
-        assert {"dist", "kept", "model"} <= set(said[0].group(1).split(", ")), end.notes
+        objects, imported = (set(said[0].group(i).split(", ")) for i in (1, 2))
+        assert {"kept", "model"} <= objects, end.notes
+        assert "dist" in imported, end.notes  # a module: imports are named apart
     assert not any("lost" in note for note in end.notes), end.notes
     assert pool.execute(SUM) == [float(n)] * n
     assert wait_gone([pids[r] for r in dead]) == []

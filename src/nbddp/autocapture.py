@@ -21,7 +21,9 @@ class AutoCapture:
         self.shell = shell
         self.on = True
         self.limit = 100 * 2**20  # the largest object shipped without --need
-        self.import_log: list[str] = []  # the notebook's import statements, in order
+        # the notebook's import statements, and those of %%ddp cells that ran on every
+        # rank, in order: replayed to ranks with a fresh namespace
+        self.import_log: list[str] = []
         self.shipped = capture.Shipped()
         self._replayed = (-1, 0)  # (pool generation, imports replayed to all its ranks)
 
@@ -35,6 +37,19 @@ class AutoCapture:
         for stmt in capture.import_statements(self.shell.transform_cell(raw)):
             if stmt not in self.import_log:
                 self.import_log.append(stmt)
+
+    def record_cell_imports(self, pool, cell: str) -> None:
+        """A ``%%ddp`` cell ran on every rank: its imports join the log, so that a rank
+        with a fresh namespace (one that took a dead rank's place) gets them too."""
+        generation, done = self._replayed
+        fresh = [
+            stmt
+            for stmt in capture.import_statements(self.shell.transform_cell(cell))
+            if stmt not in self.import_log
+        ]
+        self.import_log += fresh
+        if (generation, done) == (pool.generation, len(self.import_log) - len(fresh)):
+            self._replayed = (generation, len(self.import_log))  # every rank has run them
 
     def ship(self, pool, cell: str, ranks, explicit, imports: str):
         """Names ``cell`` reads that only the notebook has (a shipment), and the imports to

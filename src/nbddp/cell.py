@@ -278,12 +278,13 @@ class Cell:
         if msg.cell != sup.cell:
             return []
         names = None if msg.names is None else frozenset(msg.names)
+        modules = frozenset(msg.modules or ())
         table = self.pool.roster.ranks
         for rank in ranks:
             r = table[rank]
             r.state = "idle"
             if names is not None:
-                r.names = names
+                r.names, r.modules = names, modules
         out.done.update(dict.fromkeys(ranks, msg))
         now = time.monotonic()
         if any(out.marks[rank] for rank in ranks):  # direct: finished by its end markers

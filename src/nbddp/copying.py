@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from . import payload
 from .drive import drive
-from .errors import CaptureError
+from .errors import CaptureError, RankFailed
 from .outcome import failures_of, raise_for_end
 
 __all__ = ["Copied", "copy"]
@@ -55,9 +55,11 @@ def copy(pool, names: list[str], src: int, dst: list[int] | None = None) -> Copi
     code = f"__import__('nbddp.worker_copy', fromlist=['pack']).pack(globals(), {names!r})"
     end = drive(pool, pool.run(code, ranks=[src], want_values=True))
     failures = failures_of(end, pool.hosts)
-    if failures:
-        what = getattr(failures[0], "message", "") or failures[0].summary
-        raise CaptureError(f"rank {src}: {what}")
+    if failures:  # the source refused (one line), or died
+        first = failures[0]
+        raise CaptureError(
+            f"rank {src}: {first.message}" if isinstance(first, RankFailed) else first.summary
+        )
     data, files = end.values[src]
     shipment = payload.Shipment(data, files)
     try:

@@ -27,6 +27,11 @@ STATE_COLOURS = {
 FAILED_STATES = ("failed", "dead", "replaced")
 
 
+def _colour(state_text: str) -> str:
+    """The colour of a state as shown: ``waiting in all_reduce (3 s)``, ``dead: new process``."""
+    return STATE_COLOURS.get(state_text.split()[0].rstrip(":"), "#888888")
+
+
 class RankView:
     """One rank as the dashboard shows it: state, times, progress and its own lines."""
 
@@ -85,8 +90,7 @@ def summary_line(views: Views, now: float) -> str:
     """Counts per state, the slowest ranks and the one furthest behind."""
     counts = Counter(v.state_text(now).split(" (")[0] for v in views.values())
     shown = " · ".join(
-        f"<span style='color:{STATE_COLOURS.get(s.split()[0], '#888888')};font-weight:bold'>"
-        f"{n} {esc(s)}</span>"
+        f"<span style='color:{_colour(s)};font-weight:bold'>{n} {esc(s)}</span>"
         for s, n in sorted(counts.items(), key=lambda sn: -sn[1])
     )
     slow = slowest(views, now, 3)
@@ -130,7 +134,7 @@ def table_html(views: Views, ranks: list[int], hosts: dict[int, str], now: float
 
 def _row_html(rank: int, view: RankView, host: str | None, now: float) -> str:
     shown = view.state_text(now)
-    colour = STATE_COLOURS.get(shown.split()[0], "#888888")
+    colour = _colour(shown)
     style = "background:#fde7e7;" if view.state in FAILED_STATES else ""
     elapsed = view.elapsed(now)
     host_html = f" <span style='color:#888'>{esc(host)}</span>" if host else ""
@@ -229,5 +233,5 @@ def summary_text(views: Views, title: str, now: float, rows: int) -> str:
         lines.append("  " + ", ".join(f"{n} {s}" for s, n in counts.most_common()))
     for rank in sorted(views) if len(views) <= rows else notable(views, now, rows):
         view = views[rank]
-        lines.append(f"  rank {rank}: {view.state}  {view.last[:100]}")
+        lines.append(f"  rank {rank}: {view.state_text(now)}  {view.last[:100]}")
     return "\n".join(lines)

@@ -323,7 +323,10 @@ def _report_exits(conn: Connection) -> None:
             return
         if pid == 0:
             return
-        conn.send({"exit": pid, "code": _exitcode(status)})
+        try:
+            conn.send({"exit": pid, "code": _exitcode(status)})
+        except OSError:  # the notebook is gone: the next read of the loop ends it
+            return
 
 
 _LAUNCHERS = {"forkserver": ForkServerLauncher, "spawn": SpawnLauncher, "fork": ForkLauncher}

@@ -298,6 +298,8 @@ class DDPMagics(Magics):
         )
         sink = self._sink(pool, ranks, text=args.text, quiet=args.quiet, fold=not args.no_fold)
         self._finish(pool, events, sink, out=args.out)
+        if ranks is None and self.capture.on and not args.no_auto:
+            self.capture.record_cell_imports(pool, cell)
 
     def _sink(
         self, pool: Pool, ranks: list[int] | None, *, text: bool, quiet: bool, fold: bool = True

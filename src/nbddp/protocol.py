@@ -148,6 +148,7 @@ class Ready:
     device: str
     names: tuple[str, ...] = ()  # the rank's global names
     generation: int = 0  # the re-form of the group it joined (0: the first group)
+    modules: tuple[str, ...] = ()  # which of ``names`` are modules
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,7 @@ class Done:
     error: ErrorInfo | None = None
     files: tuple[str, ...] = ()  # shared-memory files ``value`` refers to (the notebook removes)
     names: tuple[str, ...] | None = None  # the rank's global names, when they changed
+    modules: tuple[str, ...] | None = None  # which of them are modules
     freed: bool = False  # the group was aborted under this rank during the cell
     needs_group: bool = False  # the cell destroyed the default group: re-form it
     profile: Profile | None = None  # with Run.profile

@@ -111,16 +111,21 @@ def _replaced_events(had: dict):
         yield P.RankState(rank, "replaced")
 
 
-def _replaced_notes(pool, had: dict[int, frozenset[str]], took: float) -> list[str]:
+def _said(names: list[str]) -> str:
+    return ", ".join(names[:NAMES_SAID]) + (
+        f" and {len(names) - NAMES_SAID} more" if len(names) > NAMES_SAID else ""
+    )
+
+
+def _replaced_notes(pool, had: dict, took: float) -> list[str]:
     notes = []
-    for rank, names in sorted(had.items()):
-        gone = sorted(names - pool.roster[rank].names)
-        held = ", ".join(gone[:NAMES_SAID]) + (
-            f" and {len(gone) - NAMES_SAID} more" if len(gone) > NAMES_SAID else ""
-        )
+    for rank, (names, modules) in sorted(had.items()):
+        gone = names - pool.roster[rank].names
+        objects, imported = sorted(gone - modules), sorted(gone & modules)
         notes.append(
             f"rank {rank}: a new process took its place; "
-            + (f"it had {held} (gone)" if gone else "it had nothing of its own")
+            + (f"it had {_said(objects)} (gone)" if objects else "it had nothing of its own")
+            + (f" and had imported {_said(imported)}" if imported else "")
         )
     new = S.rank_set(sorted(had)).replace("rank", "new rank", 1)
     if len(had) < pool.world_size:
@@ -166,21 +171,21 @@ def _formed_again(pool, dead: list[int]):
     return had
 
 
-def _form_again(pool, dead: list[int], timeout: float) -> dict[int, frozenset[str]]:
+def _form_again(pool, dead: list[int], timeout: float) -> dict:
     """Every rank forms the group again (namespaces kept), a new process in place of each
     of ``dead`` and of each rank that dies meanwhile (then the survivors are freed from
     the re-form that waits for it, and every rank joins the next one). PoolStartError if
     not all joined within ``timeout``, or an interrupt ended the wait."""
     roster, requests = pool.roster, pool.requests
     roster.store_port = None
-    had: dict[int, frozenset[str]] = {}
+    had: dict[int, tuple[frozenset[str], frozenset[str]]] = {}  # its names, its modules
     pending, fresh, again = sorted(dead), set(), False
     requests.reforming, requests.cancel_wait = True, False
     try:
         while True:
             for rank in pending:
                 _count_death(pool, rank)
-                had.setdefault(rank, roster[rank].names)
+                had.setdefault(rank, (roster[rank].names, roster[rank].modules))
             restart = sorted(set(pending) | fresh)  # new ones have no state: start them again
             if restart:
                 _end_processes(pool, [roster[rank] for rank in restart])
@@ -235,7 +240,8 @@ def _end_processes(pool, ranks: list) -> None:
 
 
 def rank_died(pool, sup, out, r):
-    """One rank died: its group is broken, so the supervisor stops every other rank."""
+    """One rank died, after everything it printed: its group is broken, so the supervisor
+    frees the others (the pool replaces it after the cell), or stops them."""
     yield from pool.drain(r.rank)
     r.state, r.returncode = "dead", pool.exit_code(r)
     out.exits[r.rank] = exit_event = P.RankExit(r.rank, r.returncode, when=time.time())
@@ -248,8 +254,16 @@ def rank_died(pool, sup, out, r):
 
 def _stop_note(pool, action) -> str:
     stuck = list(action.ranks)
+    if action.reason == "death" and pool.attached:
+        return (
+            "the process group lost a member (a rank torchrun started cannot be replaced "
+            "from the notebook), so the pool was stopped: start torchrun again and attach "
+            "again (the ranks' state is lost)"
+        )
     if action.reason == "death":
-        return state_lost("the process group lost a member, so the pool was stopped")
+        return state_lost(
+            "the process group lost a member (on_death='restart'), so the pool was stopped"
+        )
     if action.reason == "abort":
         return state_lost(
             f"{S.rank_set(stuck)} still ran {pool.grace:g} s after the process group was "

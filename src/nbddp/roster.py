@@ -43,6 +43,7 @@ class Rank:
     started: float = field(default_factory=time.monotonic)
     returncode: int | None = None
     names: frozenset[str] = frozenset()  # the rank's global names, as last reported
+    modules: frozenset[str] = frozenset()  # which of them are modules
 
     def send(self, msg: object) -> bool:
         return self.send_bytes(P.dumps(msg))
@@ -275,7 +276,8 @@ class Roster:
         if msg.generation != self.reforms:
             return  # it joined a re-form a death made the pool give up on
         r.state, r.backend, r.device = "idle", msg.backend, msg.device
-        r.names = frozenset(msg.names) or r.names
+        if msg.names:
+            r.names, r.modules = frozenset(msg.names), frozenset(msg.modules)
 
     def _failed_reform(self, r: Rank, msg: P.ReformFailed) -> None:
         if msg.generation == self.reforms and self._reform_failed is None:

@@ -134,8 +134,9 @@ class Worker:
         self._ready(msg.generation)
 
     def _ready(self, generation: int) -> None:
-        names = self.cells.changed_names() or ()
-        self.send(P.Ready(self.group.backend, self.group.device, names, generation))
+        named = self.cells.changed_names()
+        names, modules = named["names"] or (), named["modules"] or ()
+        self.send(P.Ready(self.group.backend, self.group.device, names, generation, modules))
 
     def _hello(self) -> None:
         self.send(

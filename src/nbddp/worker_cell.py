@@ -167,7 +167,7 @@ class CellRunner:
             self._finish(msg, out)
         except KeyboardInterrupt:  # raised by the user's own code, a __repr__ say: Done still
             self._end_streams(msg.cell)  # (a second end marker for a cell is ignored)
-            self.send(P.Done(msg.cell, "interrupted", names=self.changed_names()))
+            self.send(P.Done(msg.cell, "interrupted", **self.changed_names()))
 
     def _finish(self, msg: P.Run, out: _Outcome) -> None:
         """After the cell's code: abort if asked to, show its value, flush, send Done."""
@@ -179,7 +179,7 @@ class CellRunner:
         done = self._done(msg, out.status, out.value, out.error)
         lost = not dist.is_initialized()  # the cell destroyed it: the pool forms a new one
         done = dataclasses.replace(done, freed=freed, needs_group=lost, profile=out.profile)
-        self.send(dataclasses.replace(done, names=self.changed_names()))
+        self.send(dataclasses.replace(done, **self.changed_names()))
 
     def _execute(self, msg: P.Run) -> _Outcome:
         out = _Outcome()
@@ -237,17 +237,20 @@ class CellRunner:
             raise LookupError(f"rank {self.rank} has no failed cell to debug")
         pdb.post_mortem(tb)
 
-    def changed_names(self) -> tuple[str, ...] | None:
-        """The rank's own names (not those still bound to notebook objects), if changed."""
+    def changed_names(self) -> dict:
+        """``names`` and ``modules`` for a Done or Ready: the rank's own names (not those
+        still bound to notebook objects) and which of them are modules, if they changed
+        (else None: the notebook's record stands)."""
         for name in [n for n in self.shipped if not self._from_notebook(n)]:
             del self.shipped[name]  # the rank rebound it: it is the rank's own now
         names = frozenset(
             k for k in self.namespace if not k.startswith("__") and k not in self.shipped
         )
         if names == self._reported_names and names:
-            return None
+            return {"names": None, "modules": None}
         self._reported_names = names
-        return tuple(sorted(names))
+        modules = [k for k in names if isinstance(self.namespace[k], types.ModuleType)]
+        return {"names": tuple(sorted(names)), "modules": tuple(sorted(modules))}
 
     def _show(self, value: object) -> None:
         """Like IPython's inline backend: a rich last value, then open figures, are shown."""
