@@ -103,6 +103,7 @@ def nbddp_case(pool, code: str, interrupted: bool) -> dict:
 
     n = pool.world_size
     pool.execute(COLL + "kept = rank")
+    pool.roster.deaths.clear()  # repeated deaths here are the benchmark's, not a crash loop
     sent: list[float] = []
     fail_at, ready, fire_at = None, 0, None
     for ev in pool.run(code, tick=0.02):
