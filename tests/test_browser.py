@@ -312,9 +312,7 @@ CELLS_REPLACED = [
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lab", [CELLS_REPLACED], indirect=True)
-def test_a_rank_of_four_killed_in_a_collective_is_replaced_and_the_next_cell_runs(
-    lab, page, tmp_path
-):
+def test_a_rank_of_four_killed_in_a_collective_is_replaced_and_the_next_cell_runs(lab, page):
     expect = playwright.expect
     url, _ = lab
     ARTIFACTS.mkdir(exist_ok=True)
@@ -367,6 +365,6 @@ def test_a_rank_of_four_killed_in_a_collective_is_replaced_and_the_next_cell_run
         first, last = cells.nth(0).bounding_box(), after.bounding_box()
         top, bottom = first["y"] - 10, last["y"] + last["height"] + 10
         clip = {"x": panel["x"], "y": top, "width": panel["width"], "height": bottom - top}
-        page.screenshot(path=str(tmp_path / "replaced-rank.png"), clip=clip)
+        page.screenshot(path=str(ARTIFACTS / "replaced-rank-notebook.png"), clip=clip)
     finally:
         page.screenshot(path=str(ARTIFACTS / "replaced-rank.png"), full_page=True)

@@ -124,7 +124,11 @@ def _replaced_notes(pool, had: dict, took: float) -> list[str]:
         objects, imported = sorted(gone - modules), sorted(gone & modules)
         notes.append(
             f"rank {rank}: a new process took its place; "
-            + (f"it had {_said(objects)} (gone)" if objects else "it had nothing of its own")
+            + (
+                f"it had {_said(objects)} (gone)"
+                if objects
+                else "it had nothing of its own (as of its last finished cell)"
+            )
             + (f" and had imported {_said(imported)}" if imported else "")
         )
     new = S.rank_set(sorted(had)).replace("rank", "new rank", 1)
