@@ -29,6 +29,9 @@ _._debug
 _._run
 _._attach
 _._copy
+_._connect
+_._list
+_._disconnect
 # matplotlib's backend protocol (MPLBACKEND=module://nbddp.mpl_backend)
 FigureCanvas
 FigureManager

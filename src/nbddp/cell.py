@@ -69,8 +69,10 @@ def make_runs(targets: list[int], shown: set[int], **fields) -> dict[int, P.Run]
 class Cell:
     """The events of one cell, as it runs (an iterator: iterate it once)."""
 
-    def __init__(self, pool, cell: int, runs: dict[int, P.Run], timeout, tick, shipments) -> None:
-        self.pool, self.cell, self.runs = pool, cell, runs
+    def __init__(
+        self, pool, cell: int, runs: dict[int, P.Run], timeout, tick, shipments, raw=False
+    ) -> None:
+        self.pool, self.cell, self.runs, self.raw = pool, cell, runs, raw
         self.timeout, self.tick, self.shipments = timeout, tick, shipments
         self.sup: CellSupervisor | None = None
         self.out: Outcome | None = None
@@ -105,7 +107,7 @@ class Cell:
         table = pool.roster.ranks
         # a relay forwards a rank's Done after all it printed: no end markers to wait for
         marks = {r: table[r].link.open_streams() for r in targets if not table[r].link.relay}
-        self.out = Outcome(self.cell, targets, marks)
+        self.out = Outcome(self.cell, targets, marks, self.raw)
         pool.requests.active = self.cell
         yield from self._supervised(targets)
         yield from self._after(notes)

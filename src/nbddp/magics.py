@@ -14,7 +14,7 @@ import time
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from . import attaching, capture, export, profiling, stacks
+from . import attaching, capture, detaching, export, profiling, stacks
 from . import protocol as P
 from .autocapture import AutoCapture
 from .dashboard import Dashboard, TextSink
@@ -25,6 +25,7 @@ from .options import (
     SUBCOMMANDS,
     ddp_attach,
     ddp_cell,
+    ddp_connect,
     ddp_copy,
     ddp_debug,
     ddp_export,
@@ -46,6 +47,7 @@ __all__ = [  # (the parsers too: the docs' magics reference is made from them)
     "DDPMagics",
     "ddp_attach",
     "ddp_cell",
+    "ddp_connect",
     "ddp_copy",
     "ddp_debug",
     "ddp_export",
@@ -121,9 +123,8 @@ class DDPMagics(Magics):
         tee = capture.parse_ranks(args.tee) if args.tee else None
         log_dir = os.path.abspath(os.path.expanduser(args.log_dir)) if args.log_dir else None
         self.capture.on, self.capture.limit, self.tee = not args.no_auto, auto_limit, tee
-        self.session.stop()
-        self.session.want_pool(
-            args.n,
+        self.session.release()
+        options = dict(
             backend=args.backend,
             start_method=args.start_method,
             pg_timeout=args.timeout,
@@ -138,12 +139,16 @@ class DDPMagics(Magics):
             threads=args.threads,
             on_death=args.on_death,
         )
+        if args.detached:
+            self.session.use(detaching.start(args.detached, args.n, args.idle_timeout, options))
+        else:
+            self.session.want_pool(args.n, **options)
 
     def _attach(self, rest: str) -> None:
         """Wait for ranks started by torchrun elsewhere to connect, then use them."""
         args = parse_argstring(ddp_attach, rest)
         where = attaching.prepare(args)
-        self.session.stop()
+        self.session.release()
         self.session.use(attaching.attach(args, *where))
 
     def _status(self, rest: str) -> None:
@@ -190,9 +195,29 @@ class DDPMagics(Magics):
         )
 
     def _stop(self, rest: str) -> None:
-        """End every rank and helper process of the pool."""
-        if self.session.stop():
-            say("stopped the pool")
+        """End every rank and helper process of the pool (or of the detached pool NAME)."""
+        name = rest.strip()
+        if name and (self.pool is None or getattr(self.pool, "name", None) != name):
+            detaching.stop(name)
+        elif self.session.stop():
+            say(f"stopped the pool{' ' + name if name else ''}")
+
+    def _connect(self, rest: str) -> None:
+        """Connect to a detached pool: ``%ddp connect NAME [--force]``."""
+        args = parse_argstring(ddp_connect, rest)
+        self.session.release()
+        pool = detaching.connect(args.name, args.force)
+        self.session.use(pool)
+        if pool.resumed:  # a cell ran while no kernel was connected: its output and end
+            self._finish(pool, pool.resume(), self._sink(pool, None, text=False, quiet=False))
+
+    def _list(self, rest: str) -> None:
+        """This user's detached pools on this machine."""
+        print(detaching.table())
+
+    def _disconnect(self, rest: str) -> None:
+        """Leave the detached pool running and this kernel without a pool."""
+        detaching.disconnect(self.session)
 
     def _interrupt(self, rest: str) -> None:
         """Interrupt the running cell on every rank (as the stop button does)."""
@@ -371,7 +396,7 @@ class DDPMagics(Magics):
 
     def close(self) -> None:
         self.shell.events.unregister("post_run_cell", self.capture.record_imports)
-        self.session.stop()
+        self.session.release()  # a detached pool runs on
 
 
 DDPMagics.ddp.__doc__ = help_text(lambda command: getattr(DDPMagics, f"_{command}").__doc__)

@@ -28,6 +28,9 @@ SUBCOMMANDS = (
     "push",
     "pull",
     "copy",
+    "connect",
+    "list",
+    "disconnect",
     "run",
     "export",
     "debug",
@@ -124,6 +127,14 @@ def ddp_cell(line, cell):
     help="torch's collective checks (TORCH_DISTRIBUTED_DEBUG=DETAIL): a mismatch fails at once",
 )
 @argument(
+    "--detached", metavar="NAME", help="a pool that outlives this kernel (%%ddp connect NAME)"
+)
+@argument(
+    "--idle-timeout",
+    type=_seconds,
+    help="a detached pool with no kernel connected this long stops itself (3600 s)",
+)
+@argument(
     "--on-death",
     choices=("replace", "restart"),
     default="replace",
@@ -154,6 +165,13 @@ def ddp_attach(line):
 @argument("--ranks", help="only these ranks: '0,2-3'")
 def ddp_push(line):
     """Bind notebook objects on the ranks."""
+
+
+@magic_arguments()
+@argument("name", help="the detached pool's name (%%ddp list shows them)")
+@argument("--force", action="store_true", help="take it over from the kernel connected to it")
+def ddp_connect(line):
+    """Connect to a detached pool: every rank's namespace as it was."""
 
 
 @magic_arguments()
@@ -206,6 +224,7 @@ PARSERS = {
     "%ddp push": ddp_push,
     "%ddp pull": ddp_pull,
     "%ddp copy": ddp_copy,
+    "%ddp connect": ddp_connect,
     "%ddp run": ddp_run,
     "%ddp export": ddp_export,
     "%ddp debug": ddp_debug,

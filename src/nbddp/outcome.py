@@ -3,21 +3,47 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from . import payload
 from . import protocol as P
 from .errors import CellFailed, CellInterrupted, RankDied, RankFailed
 from .supervisor import CellSupervisor
 
-__all__ = ["Outcome", "failures_of", "raise_for_end"]
+__all__ = ["Outcome", "RawValue", "failures_of", "load_value", "raise_for_end"]
 
 _NO_MARKS: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class RawValue:
+    """A rank's ``--out`` value as it came (a detached pool's supervisor does not load the
+    user's objects: the kernel does, with :func:`load_value`)."""
+
+    data: bytes
+    files: tuple[str, ...]
+
+
+def load_value(rank: int, data: bytes, files) -> tuple[object, P.ErrorInfo | None]:
+    """A rank's value, loaded here: (value, None), or (None, the rank's error) when this
+    process cannot load it (a class only the ranks can import, a CUDA tensor without CUDA)."""
+    try:
+        return payload.loads(data), None
+    except Exception as exc:  # whatever unpickling the user's object raises
+        message = f"its value could not be loaded in the notebook: {exc}"
+        name = type(exc).__name__
+        return None, P.ErrorInfo(name, message, f"{name}: {message}\n", time.time())
+    finally:
+        payload.Shipment(b"", list(files)).remove()
 
 
 class Outcome:
     """What came back from one cell's ranks: output ends, results, errors, exits."""
 
-    def __init__(self, cell: int, targets: list[int], marks: dict[int, set[str]]) -> None:
+    def __init__(
+        self, cell: int, targets: list[int], marks: dict[int, set[str]], raw: bool = False
+    ) -> None:
+        self.raw = raw  # keep --out values as they came (RawValue)
         self.cell = cell
         self.targets = targets
         # the end markers still to come, by rank: one per open stream (none behind a
@@ -46,19 +72,15 @@ class Outcome:
         """The rank's ``--out`` value, here; a value the notebook cannot load (a class
         only the ranks can import, a CUDA tensor on a notebook without CUDA) is that
         rank's error, and the pool goes on."""
-        try:
-            self.values[rank] = payload.loads(done.value)
+        if self.raw:
+            self.values[rank] = RawValue(done.value, tuple(done.files))
             return True
-        except Exception as exc:  # whatever unpickling the user's object raises
-            self.errors[rank] = P.ErrorInfo(
-                type(exc).__name__,
-                f"its value could not be loaded in the notebook: {exc}",
-                f"{type(exc).__name__}: its value could not be loaded in the notebook: {exc}\n",
-                time.time(),
-            )
+        value, error = load_value(rank, done.value, done.files)
+        if error is not None:
+            self.errors[rank] = error
             return False
-        finally:
-            payload.Shipment(b"", list(done.files)).remove()
+        self.values[rank] = value
+        return True
 
     def end(self, sup: CellSupervisor, notes: list[str], kept: bool = True) -> P.CellEnd:
         """The cell's end; ``kept``: every live rank kept its namespace."""

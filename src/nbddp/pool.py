@@ -318,6 +318,7 @@ class Pool:
         script: P.Script | None = None,
         post_mortem: bool = False,
         profile: str | None = None,
+        raw_values: bool = False,
     ) -> Iterator[object]:
         """Run ``code`` on ``ranks`` (all by default); a :class:`~nbddp.cell.Cell`: its
         events, ending with ``CellEnd``.
@@ -332,7 +333,8 @@ class Pool:
         ``__main__`` instead of ``code`` (see :meth:`run_script`). With
         ``post_mortem``, pdb opens where each rank's last failed cell raised. With
         ``profile`` ("torch" or "python"), the cell runs under that profiler and
-        ``CellEnd.profiles`` holds each rank's (see :mod:`nbddp.profiling`).
+        ``CellEnd.profiles`` holds each rank's (see :mod:`nbddp.profiling`). With
+        ``raw_values``, ``CellEnd.values`` holds each value unloaded (``RawValue``).
 
         A rank in pdb (``breakpoint()``) yields ``RankDebug`` each time it wants a
         line; answer with :meth:`debug_reply`.
@@ -360,7 +362,8 @@ class Pool:
             profile=profile,
         )
         self.requests.pending = cell  # an interrupt from now on is for this cell
-        return Cell(self, cell, runs, timeout, tick, [s for s in (needs, auto) if s])
+        shipments = [s for s in (needs, auto) if s]
+        return Cell(self, cell, runs, timeout, tick, shipments, raw_values)
 
     def interrupt(self) -> None:
         """Interrupt the cell that runs, or is about to run, on every rank running it.
@@ -392,6 +395,13 @@ class Pool:
         default): once through shared memory, tensors on each rank's own device. Objects
         bound to the process group (DDP/FSDP wrappers, meshes) are refused."""
         return copying.copy(self, names, src, dst)
+
+    @staticmethod
+    def connect(name: str, force: bool = False):
+        """The detached pool ``name`` (``%ddp start --detached NAME``), as it was."""
+        from .detached_client import connect
+
+        return connect(name, force)
 
     def debug_reply(self, prompt: P.RankDebug, line: str | None) -> None:
         """Answer a rank's pdb (a ``RankDebug`` event) with ``line``; None ends its session."""

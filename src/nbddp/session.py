@@ -43,18 +43,28 @@ class Session:
         self.pool: Pool | None = None
 
     def use(self, pool: Pool | None, options: dict | None = None) -> None:
-        """From now on ``pool`` (made with ``options``) is the one; the old one is stopped."""
+        """From now on ``pool`` (made with ``options``) is the one; the old one is stopped
+        (a detached one is left running: this kernel disconnects)."""
         old = self.pool
         if old is not None and old is not pool:
-            old.stop()
+            if getattr(old, "detached", False):
+                old.disconnect()
+            else:
+                old.stop()
         self.pool = pool
         self.options = dict(options or {})
 
     def stop(self) -> bool:
-        """Stop the pool, if there is one; whether there was."""
+        """Stop the pool, if there is one (a detached one too); whether there was."""
         had = self.pool is not None
+        if had:
+            self.pool.stop()
         self.use(None)
         return had
+
+    def release(self) -> None:
+        """This kernel lets the pool go: a local one stops, a detached one runs on."""
+        self.use(None)
 
     def want_pool(self, n: int | None = None, **options) -> Pool:
         """The pool, started, with ``n`` ranks when given and ``options`` (None: as before).
@@ -81,6 +91,11 @@ class Session:
 
     def _let_go(self, pool: Pool, size: int) -> None:
         """Stop ``pool`` to make way for one of ``size`` ranks (refused when attached)."""
+        if getattr(pool, "detached", False):
+            raise Refused(
+                f"the pool is the detached pool {pool.name} ({_ranks(pool.world_size)}): "
+                f"-n {size} would stop it; `%ddp stop {pool.name}` first, or start another"
+            )
         if pool.attached:
             raise Refused(
                 f"the pool is attached ({_ranks(pool.world_size)} started by torchrun): "

@@ -1,0 +1,291 @@
+"""A detached pool's supervisor: a :class:`~nbddp.pool.Pool` in a process of its own.
+
+``python -m nbddp.detached FOLDER`` (started by :func:`nbddp.detached_client.start`,
+in a session of its own, so the kernel's shutdown and interrupts never reach
+it) runs the pool's core outside the kernel and holds the ranks. Kernels
+connect to it one at a time over the Unix socket in FOLDER (see
+:mod:`nbddp.detached_wire`); a cell keeps running when its kernel goes, and
+what it printed meanwhile (bounded) and its end are given to the next kernel
+that connects. The supervisor ends with ``stop``, or after ``idle_timeout``
+seconds without a kernel, and leaves nothing: the ranks, the store and the
+folder go with it. Its death is seen by its ranks (their connections to it
+close, and they exit) and by a connected kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import queue
+import secrets
+import shutil
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener
+
+import psutil
+
+from . import detached_wire as W
+from . import payload
+from . import protocol as P
+from .pool import Pool
+
+__all__ = ["IDLE_TIMEOUT", "Supervisor", "main"]
+
+IDLE_TIMEOUT = 3600.0  # s without a kernel before the pool stops itself (0: never)
+BACKLOG = 10_000  # output events kept while no kernel is connected (the rest counted)
+HELLO_TIMEOUT = 5.0  # s a connection has to say hello after it authenticated
+CALLS = ("status", "stacks", "copy", "restart", "names_on", "listing", "stop")
+
+
+class Supervisor:
+    """Serves one pool to one kernel at a time."""
+
+    def __init__(self, folder: str, options: dict) -> None:
+        self.folder, self.name = folder, os.path.basename(folder)
+        self.pool = Pool(**options["pool"])
+        self.idle_timeout = float(options.get("idle_timeout", IDLE_TIMEOUT))
+        self.started_at = time.time()
+        self.lock = threading.Lock()  # the client, the backlog
+        self.client: Connection | None = None
+        self.client_pid: int | None = None
+        self.requests: queue.Queue = queue.Queue()
+        self.backlog: deque = deque()
+        self.dropped = 0  # output events dropped from the backlog
+        self.unseen = False  # the backlog holds a cell no kernel has seen end
+        self.running_since: float | None = None
+        self.idle_since = time.monotonic()
+        self.stopping = False
+
+    # ------------------------------------------------------------ life
+
+    def serve(self) -> None:
+        self.pool.start()
+        token = secrets.token_hex(32).encode()
+        _write_private(os.path.join(self.folder, "token"), token)
+        address = os.path.join(self.folder, "sock")
+        listener = Listener(address, family="AF_UNIX", authkey=token)
+        os.chmod(address, 0o600)
+        info = {"pid": os.getpid(), "world_size": self.pool.world_size, "started": time.time()}
+        _write_private(os.path.join(self.folder, "info.json"), json.dumps(info).encode())
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        try:
+            while not self.stopping:
+                try:
+                    conn, msg = self.requests.get(timeout=1.0)
+                except queue.Empty:
+                    self._stop_if_idle()
+                    continue
+                self._handle(conn, msg)
+        finally:
+            self.pool.stop()
+            listener.close()
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _stop_if_idle(self) -> None:
+        with self.lock:
+            idle = self.client is None and time.monotonic() - self.idle_since
+        if idle and self.idle_timeout and idle > self.idle_timeout:
+            self.stopping = True
+
+    # ------------------------------------------------------------ kernels
+
+    def _accept(self, listener: Listener) -> None:
+        while True:
+            try:
+                conn = listener.accept()
+            except AuthenticationError:
+                continue  # not the token: nothing was read from it
+            except OSError:
+                return  # closed
+            try:
+                hello = conn.recv() if conn.poll(HELLO_TIMEOUT) else None
+            except (EOFError, OSError):
+                hello = None
+            if not isinstance(hello, W.Hello) or hello.version != W.VERSION:
+                conn.close()
+                continue
+            if hello.peek:
+                with contextlib.suppress(OSError):
+                    conn.send(W.Reply(self._listing(), self.state()))
+                conn.close()
+                continue
+            self._welcome(conn, hello)
+
+    def _welcome(self, conn: Connection, hello: W.Hello) -> None:
+        with self.lock:
+            if self.client is not None and not hello.force:
+                conn.send(
+                    W.Refused(
+                        f"the detached pool {self.name} is connected to another kernel (pid "
+                        f"{self.client_pid}): `%ddp connect {self.name} --force` takes it over"
+                    )
+                )
+                conn.close()
+                return
+            if self.client is not None:
+                with contextlib.suppress(OSError):
+                    self.client.send(W.TakenOver(hello.pid))
+                self.client.close()
+            backlog, self.backlog = list(self.backlog), deque()
+            resumed, self.unseen = self.unseen or self.running_since is not None, False
+            try:
+                conn.send(W.Welcome(self.state(), resumed))
+                for item in backlog:
+                    conn.send(item)
+            except OSError:
+                return
+            self.client, self.client_pid = conn, hello.pid
+        threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: Connection) -> None:
+        """The kernel's messages: interrupts and pdb lines at once, the rest in turn."""
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(msg, W.Interrupt):
+                self.pool.interrupt()
+            elif isinstance(msg, W.DebugReply):
+                self.pool.debug_reply(msg.prompt, msg.line)
+            else:
+                self.requests.put((conn, msg))
+        with self.lock:
+            if self.client is conn:
+                self.client, self.idle_since = None, time.monotonic()
+
+    def _send(self, item: object) -> None:
+        """To the kernel; kept (bounded) while none is connected."""
+        with self.lock:
+            if self.client is not None:
+                try:
+                    self.client.send(item)
+                    return
+                except OSError:
+                    self.client, self.idle_since = None, time.monotonic()
+            self.backlog.append(item)
+            self.unseen = True
+            if len(self.backlog) > BACKLOG:
+                self._drop_output()
+
+    def _drop_output(self) -> None:
+        for i, item in enumerate(self.backlog):
+            if isinstance(item, W.Event) and isinstance(item.event, P.Output):
+                del self.backlog[i]
+                self.dropped += 1
+                return
+
+    # ------------------------------------------------------------ requests
+
+    def state(self) -> W.PoolState:
+        pool = self.pool
+        return W.PoolState(
+            self.name,
+            pool.world_size,
+            pool.started,
+            pool.needs_restart,
+            pool.hosts,
+            pool.shm_folder,
+            pool.generation,
+            pool.devices,
+            pool.pids,
+            pool.backend_in_use,
+            dict(pool.last_stacks),
+        )
+
+    def _handle(self, conn: Connection, msg: object) -> None:
+        if isinstance(msg, W.RunCell):
+            self._run(msg.kwargs)
+            return
+        if not isinstance(msg, W.Call) or msg.method not in CALLS:
+            return
+        try:
+            value = getattr(self, f"_{msg.method}", None)
+            value = (
+                value(*msg.args)
+                if value
+                else getattr(self.pool, msg.method)(*msg.args, **msg.kwargs)
+            )
+            reply = W.Reply(value, self.state())
+        except Exception as exc:
+            reply = W.Failed(type(exc).__name__, str(exc), self.state())
+        if msg.method == "stop":
+            self.stopping = True
+        with self.lock, contextlib.suppress(OSError):
+            if self.client is conn:
+                conn.send(reply)
+
+    def _listing(self) -> dict:
+        with self.lock:
+            connected = self.client_pid if self.client is not None else None
+        live = [r for r in self.pool.roster.ranks.values() if r.state != "dead"]
+        rss = 0
+        for r in live:
+            with contextlib.suppress(psutil.Error):
+                rss += psutil.Process(r.pid).memory_info().rss
+        return {
+            "name": self.name,
+            "world_size": self.pool.world_size,
+            "alive": len(live),
+            "running_since": self.running_since,
+            "connected": connected,
+            "idle_since": None if connected else time.time() - (time.monotonic() - self.idle_since),
+            "uptime": time.time() - self.started_at,
+            "rss": rss,
+            "pid": os.getpid(),
+        }
+
+    def _run(self, kwargs: dict) -> None:
+        for key in ("needs", "auto"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = payload.Shipment(*kwargs[key])
+        kwargs["raw_values"] = kwargs.get("want_values", False)
+        self.running_since = time.time()
+        try:
+            for event in self.pool.run(**kwargs):
+                if isinstance(event, P.CellEnd) and self.dropped:
+                    note = (
+                        f"{self.dropped} lines the ranks printed while no kernel was "
+                        f"connected were dropped (the last {BACKLOG} kept)"
+                    )
+                    event = dataclasses.replace(event, notes=(*event.notes, note))
+                    self.dropped = 0
+                self._send(W.Event(event))
+            self._send(W.Reply(None, self.state()))
+        except Exception as exc:  # the cell could not start: the pool said why
+            self._send(W.Failed(type(exc).__name__, str(exc), self.state()))
+        finally:
+            self.running_since = None
+
+
+def _write_private(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    folder = (argv or sys.argv[1:])[0]
+    with open(os.path.join(folder, "options.json")) as f:
+        options = json.load(f)
+    os.chdir(options.get("cwd") or folder)
+    for path in reversed(options.get("sys_path", [])):  # what the kernel can import
+        if path not in sys.path:
+            sys.path.insert(1, path)
+    try:
+        Supervisor(folder, options).serve()
+    except BaseException:
+        _write_private(os.path.join(folder, "error.txt"), traceback.format_exc().encode())
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""``%ddp start --detached``, ``connect``, ``list``, ``disconnect`` and ``stop NAME``: the
+front end's side of detached pools (:mod:`nbddp.detached_client` speaks to them)."""
+
+from __future__ import annotations
+
+import time
+
+from IPython.core.error import UsageError
+
+from . import detached_client
+from .detached import IDLE_TIMEOUT
+from .errors import NbddpError
+from .session import Session, default_world_size, say
+
+__all__ = ["connect", "disconnect", "start", "stop", "table"]
+
+
+def start(name: str, n: int | None, idle_timeout: float | None, options: dict):
+    """Start the detached pool ``name`` and connect this kernel to it."""
+    t0 = time.perf_counter()
+    n = n or default_world_size()
+    idle = IDLE_TIMEOUT if idle_timeout is None else idle_timeout
+    try:
+        pool = detached_client.start(name, n, idle_timeout=idle, **options)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    say(
+        f"started the detached pool {name} ({n} rank{'s' * (n > 1)}) in "
+        f"{time.perf_counter() - t0:.1f} s: it outlives this kernel (`%ddp connect {name}` "
+        f"from any of your kernels; it stops after {idle:g} s without one)"
+    )
+    return pool
+
+
+def connect(name: str, force: bool):
+    try:
+        pool = detached_client.connect(name, force)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    ranks = f"{pool.world_size} rank{'s' * (pool.world_size > 1)}"
+    say(
+        f"connected to the detached pool {name} ({ranks})"
+        + (": a cell ran meanwhile, here is how it went" if pool.resumed else "")
+    )
+    return pool
+
+
+def disconnect(session: Session) -> None:
+    pool = session.pool
+    if pool is None or not getattr(pool, "detached", False):
+        raise UsageError("no detached pool is connected (%ddp stop ends a pool of this kernel)")
+    name = pool.name
+    session.release()
+    say(f"disconnected from the detached pool {name}: it runs on (`%ddp connect {name}`)")
+
+
+def stop(name: str) -> None:
+    try:
+        detached_client.stop(name)
+    except (NbddpError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    say(f"stopped the detached pool {name}")
+
+
+def table() -> str:
+    pools = detached_client.listing()
+    if not pools:
+        return "nbddp: no detached pool is running"
+    rows = [("name", "ranks", "alive", "state", "kernel", "uptime", "rss")]
+    now = time.time()
+    for p in pools:
+        since = p["running_since"]
+        state = "idle" if since is None else f"running {now - since:.0f} s"
+        if p["connected"]:
+            kernel = f"pid {p['connected']}"
+        else:
+            kernel = f"none for {now - p['idle_since']:.0f} s"
+        uptime, rss = f"{p['uptime']:.0f} s", f"{p['rss'] / 2**20:.0f} MiB"
+        rows.append((p["name"], str(p["world_size"]), str(p["alive"]), state, kernel, uptime, rss))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
