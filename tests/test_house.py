@@ -16,12 +16,12 @@ CORE = {
     "pool", "hub", "listener", "roster", "processes", "cell", "recovery", "outcome",
     "queries", "layout", "logs", "drive", "sigint", "supervisor", "launch", "payload",
     "capture", "protocol", "events", "errors", "stacks", "streams", "sizes", "store",
-    "copying", "detached", "detached_client", "detached_wire",
+    "copying", "detached", "detached_client", "detached_wire", "pool_calls",
 }  # fmt: skip
 FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",
     "dashboard", "dashboard_html", "dashboard_widget", "sinks", "fold", "export", "demo",
-    "remote", "detaching",
+    "remote", "detaching", "reports",
 }  # fmt: skip
 WORKER = {
     "worker", "worker_control", "worker_group", "worker_shims", "worker_cell",

@@ -27,15 +27,15 @@ from . import detached_wire as W
 from . import errors as E
 from . import protocol as P
 from .detached import IDLE_TIMEOUT
-from .drive import drive
-from .outcome import RawValue, load_value, raise_for_end
+from .outcome import RawValue, load_value
+from .pool_calls import PoolCalls
 
 __all__ = ["DetachedPool", "connect", "listing", "start", "stop"]
 
 REPLY_TIMEOUT = 120.0  # s a call may take (a restart, a copy of a big model)
 
 
-class DetachedPool:
+class DetachedPool(PoolCalls):
     """A detached pool, as this kernel sees it."""
 
     detached = True
@@ -121,12 +121,6 @@ class DetachedPool:
         self._put(W.RunCell({"code": code, **kwargs}))
         return self._events()
 
-    def run_script(self, path: str, argv=(), *, keep: bool = False, **kwargs):
-        with open(path, encoding="utf-8") as f:
-            source = f.read()
-        script = P.Script(os.path.abspath(path), source, tuple(argv), keep)
-        return self.run("", script=script, **kwargs)
-
     def resume(self) -> Iterator[object]:
         """The events of a cell that ran while no kernel was connected (then nothing)."""
         if not self.resumed:
@@ -148,19 +142,22 @@ class DetachedPool:
                 raise getattr(E, msg.exc_type, E.NbddpError)(msg.message)
 
     def interrupt(self) -> None:
+        """From any thread, or a SIGINT handler that may have cut into a send of this
+        thread's: sent by a thread of its own, once the wire is free."""
         if not self.closed:
-            self._put(W.Interrupt())
+            threading.Thread(target=self._put_quietly, args=(W.Interrupt(),)).start()
+
+    def _put_quietly(self, msg: object) -> None:
+        try:
+            self._put(msg)
+        except E.PoolClosedError:
+            pass
 
     def interrupt_stuck(self) -> bool:
         return False  # the supervisor ends the cell itself
 
     def debug_reply(self, prompt: P.RankDebug, line: str | None) -> None:
         self._put(W.DebugReply(prompt, line))
-
-    def execute(self, code: str, **kwargs) -> list[object]:
-        end = drive(self, self.run(code, want_values=True, **kwargs))
-        raise_for_end(end, self.hosts)
-        return [end.values.get(r) for r in range(self.world_size)]
 
     # -- the pool
 

@@ -11,6 +11,7 @@ from . import detached_client
 from .detached import IDLE_TIMEOUT
 from .errors import NbddpError
 from .session import Session, default_world_size, say
+from .sinks import columns
 
 __all__ = ["connect", "disconnect", "start", "stop", "table"]
 
@@ -77,7 +78,4 @@ def table() -> str:
             kernel = f"none for {now - p['idle_since']:.0f} s"
         uptime, rss = f"{p['uptime']:.0f} s", f"{p['rss'] / 2**20:.0f} MiB"
         rows.append((p["name"], str(p["world_size"]), str(p["alive"]), state, kernel, uptime, rss))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
-    )
+    return columns(rows)

@@ -14,7 +14,7 @@ import time
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from . import attaching, capture, detaching, export, profiling, stacks
+from . import attaching, capture, detaching, export, profiling, reports, stacks
 from . import protocol as P
 from .autocapture import AutoCapture
 from .dashboard import Dashboard, TextSink
@@ -153,33 +153,11 @@ class DDPMagics(Magics):
 
     def _status(self, rest: str) -> None:
         """One row per rank: pid, host, device, state, uptime, memory."""
-        if self.pool is None or not self.pool.started:
-            print("nbddp: no pool is running")
-            return
-        rows = [("rank", "pid", "host", "device", "state", "uptime", "rss")]
-        for s in self.pool.status():
-            rss = "-" if s.rss is None else f"{s.rss / 2**20:.0f} MiB"
-            rows.append(
-                (str(s.rank), str(s.pid), s.host, s.device, s.state, f"{s.uptime:.0f} s", rss)
-            )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for row in rows:
-            print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        print(reports.status(self.pool))
 
     def _stacks(self, rest: str) -> None:
         """Every rank's current Python stack, grouped; and where the last stuck cell was."""
-        if self.pool is None or not self.pool.started:
-            print("nbddp: no pool is running")
-            return
-        now = self.pool.stacks()
-        busy = {rank: frames for rank, frames in now.items() if frames}
-        if busy:
-            print("\n".join(stacks.format_groups(busy)))
-        else:
-            print(f"nbddp: every rank is idle ({stacks.rank_set(sorted(now))})")
-        if self.pool.last_stacks:
-            print("where the ranks were when the last cell was interrupted or timed out:")
-            print("\n".join(stacks.format_groups(self.pool.last_stacks)))
+        print(reports.stacks(self.pool))
 
     def _restart(self, rest: str) -> None:
         """New ranks with the same options (every rank's state is gone)."""

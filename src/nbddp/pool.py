@@ -28,13 +28,13 @@ from collections.abc import Iterator
 from . import capture, copying, payload, queries, recovery
 from . import protocol as P
 from .cell import Cell, Requests, make_runs
-from .drive import drive
 from .errors import NbddpError
 from .hub import Hub
 from .layout import check_layout, check_options
 from .listener import Listener, bind_tcp, bind_unix
 from .logs import LogDir
 from .outcome import failures_of, raise_for_end
+from .pool_calls import PoolCalls
 from .processes import RankProcesses, enough_open_files, rank_env
 from .queries import RankStatus
 from .roster import Roster
@@ -50,7 +50,7 @@ def _stop_all_pools() -> None:
         pool.stop()
 
 
-class Pool:
+class Pool(PoolCalls):
     """A persistent pool of ``n`` ranks forming one torch.distributed process group.
 
     >>> with Pool(2) as pool:
@@ -406,28 +406,5 @@ class Pool:
     def debug_reply(self, prompt: P.RankDebug, line: str | None) -> None:
         """Answer a rank's pdb (a ``RankDebug`` event) with ``line``; None ends its session."""
         self.roster[prompt.rank].send(P.DebugInput(line, prompt.seq))
-
-    def run_script(
-        self, path: str, argv: list[str] | tuple[str, ...] = (), *, keep: bool = False, **kwargs
-    ) -> Iterator[object]:
-        """Run a torchrun script unchanged on the ranks, as :meth:`run` runs a cell.
-
-        The file is read here and runs as ``__main__`` in a module of its own, with
-        ``sys.argv`` set; with ``keep``, its globals stay in each rank's namespace.
-        """
-        with open(path, encoding="utf-8") as f:
-            source = f.read()
-        script = P.Script(os.path.abspath(path), source, tuple(argv), keep)
-        return self.run("", script=script, **kwargs)
-
-    def execute(self, code: str, **kwargs) -> list[object]:
-        """Run ``code`` and return the last expression's value by rank; raise on failure.
-
-        Output is discarded; use :meth:`run` to see it. A rank's pdb (``breakpoint()``)
-        gets no commands here: its session is closed at once, not waited for.
-        """
-        end = drive(self, self.run(code, want_values=True, **kwargs))
-        raise_for_end(end, self.hosts)
-        return [end.values.get(r) for r in range(self.world_size)]
 
     # ------------------------------------------------------------ status

@@ -21,7 +21,7 @@ from typing import Protocol, TextIO
 from . import protocol as P
 from .fold import Folder, Group
 
-__all__ = ["FOLD_WINDOW", "Sink", "TextSink", "show_rich"]
+__all__ = ["FOLD_WINDOW", "Sink", "TextSink", "columns", "show_rich"]
 
 FOLD_WINDOW = 0.25  # seconds a line waits for the same line from the other ranks
 
@@ -30,6 +30,14 @@ class Sink(Protocol):
     def handle(self, event: object) -> None: ...
 
     def close(self, end: P.CellEnd | None) -> None: ...
+
+
+def columns(rows: list[tuple[str, ...]]) -> str:
+    """Rows of text as aligned columns (``%ddp status``, ``%ddp list``)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
 
 
 def show_rich(event: P.RankDisplay) -> None:
