@@ -57,7 +57,10 @@ class Supervisor:
         self.client_pid: int | None = None
         self.requests: queue.Queue = queue.Queue()
         self.backlog: deque = deque()
+        self.pending: list = []  # what the cell gave since the supervisor last waited
+        self.pool.hub.before_wait = self._flush
         self.dropped = 0  # output events dropped from the backlog
+        self.outputs_kept = 0  # output events in the backlog
         self.unseen = False  # the backlog holds a cell no kernel has seen end
         self.running_since: float | None = None
         self.idle_since = time.monotonic()
@@ -133,12 +136,12 @@ class Supervisor:
                 with contextlib.suppress(OSError):
                     self.client.send(W.TakenOver(hello.pid))
                 self.client.close()
-            backlog, self.backlog = list(self.backlog), deque()
+            backlog, self.backlog, self.outputs_kept = tuple(self.backlog), deque(), 0
             resumed, self.unseen = self.unseen or self.running_since is not None, False
             try:
                 conn.send(W.Welcome(self.state(), resumed))
-                for item in backlog:
-                    conn.send(item)
+                if backlog:
+                    conn.send(W.Batch(backlog))
             except OSError:
                 return
             self.client, self.client_pid = conn, hello.pid
@@ -162,7 +165,7 @@ class Supervisor:
                 self.client, self.idle_since = None, time.monotonic()
 
     def _send(self, item: object) -> None:
-        """To the kernel; kept (bounded) while none is connected."""
+        """To the kernel; kept while none is connected (output bounded: the oldest goes)."""
         with self.lock:
             if self.client is not None:
                 try:
@@ -170,17 +173,29 @@ class Supervisor:
                     return
                 except OSError:
                     self.client, self.idle_since = None, time.monotonic()
-            self.backlog.append(item)
+            items = item.items if isinstance(item, W.Batch) else (item,)
+            self.backlog.extend(items)
             self.unseen = True
-            if len(self.backlog) > BACKLOG:
+            self.outputs_kept += sum(_is_output(i) for i in items)
+            if self.outputs_kept > BACKLOG * 1.25:  # (amortized: one pass drops many)
                 self._drop_output()
 
+    def _flush(self) -> None:
+        """What the cell gave, in one message (before the pool waits for more)."""
+        if self.pending:
+            batch, self.pending = W.Batch(tuple(self.pending)), []
+            self._send(batch)
+
     def _drop_output(self) -> None:
-        for i, item in enumerate(self.backlog):
-            if isinstance(item, W.Event) and isinstance(item.event, P.Output):
-                del self.backlog[i]
+        drop = self.outputs_kept - BACKLOG
+        kept: deque = deque()
+        for item in self.backlog:
+            if drop and _is_output(item):
+                drop -= 1
                 self.dropped += 1
-                return
+            else:
+                kept.append(item)
+        self.backlog, self.outputs_kept = kept, BACKLOG
 
     # ------------------------------------------------------------ requests
 
@@ -257,12 +272,17 @@ class Supervisor:
                     )
                     event = dataclasses.replace(event, notes=(*event.notes, note))
                     self.dropped = 0
-                self._send(W.Event(event))
-            self._send(W.Reply(None, self.state()))
+                self.pending.append(W.Event(event))
+            self.pending.append(W.Reply(None, self.state()))
         except Exception as exc:  # the cell could not start: the pool said why
-            self._send(W.Failed(type(exc).__name__, str(exc), self.state()))
+            self.pending.append(W.Failed(type(exc).__name__, str(exc), self.state()))
         finally:
             self.running_since = None
+            self._flush()
+
+
+def _is_output(item: object) -> bool:
+    return isinstance(item, W.Event) and isinstance(item.event, P.Output)
 
 
 def _write_private(path: str, data: bytes) -> None:

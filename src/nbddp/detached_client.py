@@ -48,6 +48,7 @@ class DetachedPool(PoolCalls):
         self._send_lock = threading.Lock()
         self.notes: list[str] = []
         self.closed = False
+        self._inbox: list = []  # the rest of a Batch, in order (reversed: pop() is next)
 
     # -- what it is (as of the last reply)
 
@@ -78,12 +79,20 @@ class DetachedPool(PoolCalls):
                 self._gone()
 
     def _get(self, timeout: float | None = None) -> object:
-        try:
-            if timeout is not None and not self.conn.poll(timeout):
-                raise E.NbddpError(f"the detached pool {self.name} did not answer in {timeout:g} s")
-            msg = self.conn.recv()
-        except (EOFError, OSError):
-            self._gone()
+        if self._inbox:
+            msg = self._inbox.pop()
+        else:
+            try:
+                if timeout is not None and not self.conn.poll(timeout):
+                    raise E.NbddpError(
+                        f"the detached pool {self.name} did not answer in {timeout:g} s"
+                    )
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                self._gone()
+            if isinstance(msg, W.Batch):
+                self._inbox = list(reversed(msg.items))
+                return self._get()
         if isinstance(msg, W.TakenOver):
             self.closed = True
             raise E.PoolClosedError(

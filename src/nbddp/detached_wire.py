@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass, field
 
 __all__ = [
+    "Batch",
     "Call",
     "DebugReply",
     "Event",
@@ -125,6 +126,15 @@ class RunCell:
 @dataclass(frozen=True)
 class Event:
     event: object  # an nbddp.events event
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Events (and the reply that ends a cell) sent together: the supervisor holds what
+    comes while it works and sends it before it waits, so a cell costs one message, not
+    one per event, and no event waits."""
+
+    items: tuple
 
 
 @dataclass(frozen=True)

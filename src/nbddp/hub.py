@@ -132,6 +132,7 @@ class Hub:
         self.sentinels = sentinels  # the launcher's exit sentinels, now
         self.exits: Callable[[], list[int]] = list  # ranks whose process ended, now
         self.log: Callable[[int, str, str], None] | None = None  # every text read, as read
+        self.before_wait: Callable[[], None] | None = None  # called before pump may block
         self.relays: list[RelayLink] = []
         self.arrived: queue.SimpleQueue = queue.SimpleQueue()  # (conn, hello), authenticated
         self._wake_r, self._wake_w = os.pipe()
@@ -205,6 +206,8 @@ class Hub:
 
     def pump(self, timeout: float | None) -> list[Item]:
         """Wait for anything on any connection, stream or sentinel; return what happened."""
+        if timeout != 0 and self.before_wait is not None:
+            self.before_wait()  # (a detached pool's supervisor: what it holds for the kernel)
         self._watch_sentinels()
         items: list[Item] = []
         ended = False
