@@ -48,6 +48,7 @@ class DetachedPool(PoolCalls):
         self._send_lock = threading.Lock()
         self.notes: list[str] = []
         self.closed = False
+        self.why_closed = ""  # what ended this kernel's connection, for the next cell
         self._inbox: list = []  # the rest of a Batch, in order (reversed: pop() is next)
 
     # -- what it is (as of the last reply)
@@ -71,7 +72,9 @@ class DetachedPool(PoolCalls):
 
     def _put(self, msg: object) -> None:
         if self.closed:
-            raise E.PoolClosedError(f"disconnected from the detached pool {self.name}")
+            raise E.PoolClosedError(
+                self.why_closed or f"disconnected from the detached pool {self.name}"
+            )
         with self._send_lock:
             try:
                 self.conn.send(msg)
@@ -94,8 +97,7 @@ class DetachedPool(PoolCalls):
                 self._inbox = list(reversed(msg.items))
                 return self._get()
         if isinstance(msg, W.TakenOver):
-            self.closed = True
-            raise E.PoolClosedError(
+            self._close(
                 f"another kernel (pid {msg.pid}) took the detached pool {self.name} over: "
                 f"`%ddp connect {self.name} --force` takes it back"
             )
@@ -104,11 +106,15 @@ class DetachedPool(PoolCalls):
         return msg
 
     def _gone(self):
-        self.closed = True
-        raise E.PoolClosedError(
+        self._close(
             f"the detached pool {self.name} is gone (its supervisor ended): its ranks' state "
             "is lost"
         )
+
+    def _close(self, why: str):
+        self.closed, self.why_closed = True, why
+        self.conn.close()
+        raise E.PoolClosedError(why)
 
     def _call(self, method: str, *args, **kwargs):
         self._put(W.Call(method, args, kwargs))
@@ -306,6 +312,10 @@ def listing() -> list[dict]:
     except FileNotFoundError:
         return []
     for name in names:
+        started = os.path.exists(os.path.join(W.folder_of(name), "info.json"))
+        if started and not _alive(name):  # its supervisor was killed: what it left
+            shutil.rmtree(W.folder_of(name), ignore_errors=True)
+            continue
         try:
             conn, answer = _hello(name, peek=True, timeout=2.0)
         except (E.NbddpError, ValueError, OSError, EOFError):

@@ -75,6 +75,9 @@ class Session:
         """
         options = {**self.options, **{k: v for k, v in options.items() if v is not None}}
         pool = self.pool
+        if getattr(pool, "closed", False):  # a detached pool gone or taken over (said once)
+            self.use(None)
+            pool = None
         size = n or (pool.world_size if pool else None) or default_world_size()
         if pool is not None and (size != pool.world_size or options != self.options):
             self._let_go(pool, size)
