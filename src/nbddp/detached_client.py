@@ -312,7 +312,10 @@ def listing() -> list[dict]:
     except FileNotFoundError:
         return []
     for name in names:
-        started = os.path.exists(os.path.join(W.folder_of(name), "info.json"))
+        try:
+            started = os.path.exists(os.path.join(W.folder_of(name), "info.json"))
+        except ValueError:
+            continue  # not a pool's folder
         if started and not _alive(name):  # its supervisor was killed: what it left
             shutil.rmtree(W.folder_of(name), ignore_errors=True)
             continue
