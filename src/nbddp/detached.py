@@ -21,6 +21,7 @@ import os
 import queue
 import secrets
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -78,6 +79,7 @@ class Supervisor:
         info = {"pid": os.getpid(), "world_size": self.pool.world_size, "started": time.time()}
         _write_private(os.path.join(self.folder, "info.json"), json.dumps(info).encode())
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))  # cleanly
         try:
             while not self.stopping:
                 try:
@@ -279,6 +281,9 @@ class Supervisor:
         finally:
             self.running_since = None
             self._flush()
+            with self.lock:
+                if self.client is None:  # its end waits for a kernel: idle from now
+                    self.idle_since = time.monotonic()
 
 
 def _is_output(item: object) -> bool:
