@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import shutil
 import socket
 import time
 
@@ -55,3 +59,64 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class DetachedFamily:
+    """What a detached pool runs and holds: its supervisor and every process under it (the
+    fork server, the store, the ranks), and its folders (the pool's folder in
+    ``$NBDDP_HOME/pools``, its shared-memory folder, its private temp folder).
+
+    :meth:`record` adds what runs now (call it again after a rank was replaced);
+    :meth:`left` says what is still there; :meth:`clean` ends and removes it (the
+    processes only if they are the very ones recorded: pids are not reused by mistake).
+    """
+
+    def __init__(self, name: str) -> None:
+        from nbddp import detached_wire
+
+        self.name = name
+        self.folder = detached_wire.folder_of(name)
+        with open(os.path.join(self.folder, "info.json")) as f:
+            self.supervisor = psutil.Process(json.load(f)["pid"])
+        self.procs: dict[int, psutil.Process] = {}
+        self.folders: set[str] = {self.folder}
+        self.record()
+
+    def record(self) -> None:
+        try:
+            procs = [self.supervisor, *self.supervisor.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for proc in procs:
+            self.procs.setdefault(proc.pid, proc)
+            try:
+                shm = proc.environ().get("NBDDP_SHM_DIR")
+                opened = [f.path for f in proc.open_files()]
+            except psutil.Error:
+                continue
+            if shm:
+                self.folders.add(shm)
+            for path in opened:  # the pool's private temp folder holds the store's log
+                folder = os.path.dirname(path)
+                if os.path.basename(folder).startswith("nbddp-"):
+                    self.folders.add(folder)
+
+    @property
+    def pids(self) -> list[int]:
+        return list(self.procs)
+
+    def alive(self, timeout: float = 10.0) -> list[int]:
+        """The recorded processes still running after waiting up to ``timeout``."""
+        left = wait_gone(self.pids, timeout)
+        return [pid for pid in left if self.procs[pid].is_running()]
+
+    def folders_left(self) -> list[str]:
+        return sorted(f for f in self.folders if os.path.exists(f))
+
+    def clean(self) -> None:
+        for proc in self.procs.values():
+            with contextlib.suppress(psutil.Error):
+                if proc.is_running():
+                    proc.kill()
+        for folder in self.folders:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import queue
 import re
@@ -12,7 +13,9 @@ import time
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-from helpers import wait_gone
+from helpers import DetachedFamily, wait_gone
+from nbddp import detached_client
+from nbddp.errors import NbddpError
 
 pytestmark = pytest.mark.kernel
 
@@ -370,3 +373,124 @@ def test_a_rank_killed_at_four_ranks_is_replaced_and_the_others_keep_their_state
     assert re.search(r"^nbddp: shipped lr \(.*\), replayed \d+ imports?$", r.stdout, re.M), r.stdout
     assert ranks_printing(r.stdout, "sum 10.0 lr 0.5 pi 3.14") == {0, 1, 2, 3}, r.stdout
     execute(kc, "%ddp stop")
+
+
+@pytest.fixture
+def kernels(tmp_path, monkeypatch):
+    """Start real kernels (each shut down at the end) whose ``$NBDDP_HOME`` is the test's."""
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    monkeypatch.setenv("NBDDP_HOME", str(tmp_path / "h"))  # never the real ~/.nbddp
+    started = []
+
+    def start():
+        km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60, env=dict(os.environ))
+        started.append((km, kc))
+        return km, kc
+
+    try:
+        yield start
+    finally:
+        for km, kc in started:
+            kc.stop_channels()
+            if km.is_alive():
+                km.shutdown_kernel(now=True)
+
+
+def restarted(km, kc):
+    """``km``'s kernel restarted, and a new client of it, ready."""
+    km.restart_kernel(now=True)
+    kc.stop_channels()
+    kc = km.client()
+    kc.start_channels()
+    kc.wait_for_ready(timeout=60)
+    return kc
+
+
+def rank_logs(html: str) -> dict[int, list[str]]:
+    """Each rank's lines in a finished dashboard's static summary."""
+    found = re.findall(
+        r"<details class='nbddp-log' data-rank='(\d+)'[^>]*><summary>.*?<pre[^>]*>(.*?)</pre>",
+        html,
+        re.S,
+    )
+    return {int(rank): text.splitlines() for rank, text in found}
+
+
+TICKS = (
+    "%%ddp --text\nimport time\nfor i in range(10):\n    print('tick', i, flush=True)\n"
+    "    time.sleep(0.2)\nif rank == 2:\n    raise ValueError('the end')"
+)
+
+
+def test_a_detached_pool_outlives_a_restarted_and_a_killed_kernel(kernels):
+    """%ddp start --detached at 4 ranks: the kernel restarts and the ranks keep their state;
+    the kernel is killed while a cell prints, and the next kernel that connects sees the
+    rest of the output and the cell's end; %ddp stop NAME leaves nothing."""
+    km, kc = kernels()
+    assert execute(kc, "%load_ext nbddp").error is None
+    r = execute(kc, "%ddp start -n 4 --detached exp")
+    assert r.error is None, r.text
+    assert "started the detached pool exp (4 ranks)" in r.stdout
+    family = DetachedFamily("exp")
+    try:
+        state = "%%ddp --text --out st\nimport os\n(kept, w.tolist(), os.getpid())"
+        build = "%%ddp --text\nkept = rank * 11 + 5\ntorch.manual_seed(rank)\nw = torch.randn(3)"
+        r = execute(kc, build)
+        assert r.error is None, r.text
+        assert execute(kc, state).error is None
+        before = ast.literal_eval(execute(kc, "print(st)").stdout.strip())
+        assert [k for k, _, _ in before] == [5, 16, 27, 38]
+        assert len({tuple(w) for _, w, _ in before}) == 4
+        family.record()
+
+        # a restart: a new kernel process, the same ranks with their state
+        old = km.provisioner.process.pid
+        kc = restarted(km, kc)
+        assert km.provisioner.process.pid != old
+        assert execute(kc, "%load_ext nbddp").error is None
+        r = execute(kc, "%ddp connect exp")
+        assert r.error is None, r.text
+        assert "connected to the detached pool exp (4 ranks)" in r.stdout, r.text
+        assert execute(kc, state).error is None
+        assert ast.literal_eval(execute(kc, "print(st)").stdout.strip()) == before
+
+        # the kernel is killed while a cell prints; the cell runs on
+        msg_id = kc.execute(TICKS)
+        printed = ""
+        deadline = time.monotonic() + 30
+        while ranks_printing(printed, "tick 1") != {0, 1, 2, 3}:
+            msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                printed += msg["content"]["text"]
+        assert "tick 9" not in printed
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)
+        assert wait_gone([km.provisioner.process.pid]) == []
+
+        # a new kernel connects: the rest of the output, then the cell's end (rank 2 raised)
+        _, kc = kernels()
+        assert execute(kc, "%load_ext nbddp").error is None
+        r = execute(kc, "%ddp connect exp")
+        assert "a cell ran meanwhile" in r.stdout, r.text
+        assert r.error is not None, r.text
+        assert r.error["ename"] == "CellFailed", r.error
+        assert r.error["evalue"].splitlines()[0] == "rank 2: ValueError: the end", r.error
+        logs = rank_logs(r.displays[-1]["text/html"])
+        assert sorted(logs) == [0, 1, 2, 3], r.displays[-1]
+        for lines in logs.values():  # from where the killed kernel stopped, in order, to the end
+            assert len(lines) >= 7, logs
+            assert lines == [f"tick {i}" for i in range(10 - len(lines), 10)], logs
+        assert execute(kc, state).error is None
+        assert ast.literal_eval(execute(kc, "print(st)").stdout.strip()) == before
+        family.record()
+
+        r = execute(kc, "%ddp stop exp")
+        assert r.error is None, r.text
+        assert family.alive() == []
+        assert family.folders_left() == []
+        assert "no detached pool is running" in execute(kc, "%ddp list").stdout
+    finally:
+        if family.supervisor.pid in family.alive(timeout=0):  # (a check failed: stop it)
+            with contextlib.suppress(NbddpError):
+                detached_client.stop("exp")
+        family.clean()

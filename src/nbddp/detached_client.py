@@ -49,6 +49,7 @@ class DetachedPool(PoolCalls):
         self.notes: list[str] = []
         self.closed = False
         self.why_closed = ""  # what ended this kernel's connection, for the next cell
+        self.gone = False  # the supervisor ended (not a disconnect, not a takeover)
         self._inbox: list = []  # the rest of a Batch, in order (reversed: pop() is next)
 
     # -- what it is (as of the last reply)
@@ -106,6 +107,7 @@ class DetachedPool(PoolCalls):
         return msg
 
     def _gone(self):
+        self.gone = True
         self._close(
             f"the detached pool {self.name} is gone (its supervisor ended): its ranks' state "
             "is lost"
@@ -194,11 +196,11 @@ class DetachedPool(PoolCalls):
 
     def stop(self) -> None:
         """End the detached pool: its ranks, its store, its folder."""
-        if not self.closed:
-            try:
-                self._call("stop")
-            except E.PoolClosedError:
-                pass
+        try:
+            self._call("stop")
+        except E.PoolClosedError:
+            if not self.gone:  # taken over (or disconnected): it runs on, and that is said
+                raise
         self.disconnect()
 
     def disconnect(self) -> None:
