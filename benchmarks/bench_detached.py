@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--cells", type=int, default=200, help="cells per round")
     parser.add_argument("--need-mb", type=int, default=512)
-    parser.add_argument("--need-tries", type=int, default=3)
+    parser.add_argument("--need-tries", type=int, default=6)
     parser.add_argument("--connect-ranks", type=int, default=8)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -65,10 +65,13 @@ def main() -> None:
         results["round_trip_ms"] = {k: 1e3 * statistics.median(v) for k, v in rt.items()}
         big = torch.ones(args.need_mb * 2**20 // 4)
         need = {"in-kernel": [], "detached": []}
-        for _ in range(args.need_tries):
-            need["in-kernel"].append(_need(local, big))
-            need["detached"].append(_need(detached, big))
+        pools = {"in-kernel": local, "detached": detached}
+        for i in range(args.need_tries):  # ABBA: neither always goes first
+            for kind in sorted(pools, reverse=i % 2 == 1):
+                need[kind].append(_need(pools[kind], big))
+        results["need_all_s"] = need
         results["need_s"] = {k: statistics.median(v) for k, v in need.items()}
+        results["need_min_s"] = {k: min(v) for k, v in need.items()}
     finally:
         local.stop()
         detached.stop()
