@@ -26,6 +26,7 @@ from nbddp import Pool, capture, detached_client
 from nbddp import protocol as P
 from nbddp.errors import CellFailed, CellInterrupted, NbddpError, PoolClosedError
 from nbddp.pool import raise_for_end
+from test_failures import CASES, check_case
 
 SIZES = [2, 4, 8]
 SUM = "import torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
@@ -422,3 +423,16 @@ def test_an_endless_loop_is_interrupted_and_every_rank_keeps_its_state(detached)
     assert pool.execute(STATE) == [(100 + r, r) for r in range(n)]
     assert pool.pids == pids
     assert pool.execute(SUM) == [float(n)] * n
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_the_whole_fault_matrix_on_a_detached_pool(detached, case):
+    """tests/test_failures.py's cases, checked the same way, on a detached pool; the three
+    deaths fall on three different ranks (3 deaths of one rank in a minute would stop the
+    pool, and this pool's deaths table lives in its supervisor)."""
+    n = detached.pool.world_size
+    deaths = [c.name for c in CASES if c.died]
+    bad = (n - 2 + deaths.index(case.name)) % n if case.died else (n - 2 if n > 2 else 0)
+    check_case(detached.pool, case, bad)
+    detached.family.record()  # a new rank's process, or a new pool's

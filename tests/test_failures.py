@@ -199,10 +199,16 @@ def interrupt_when_ready(pool: Pool, events, ranks: int, settle: float = 0.3):
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_fault_matrix(sized_pool, case):
     pool, n = sized_pool, sized_pool.world_size
-    bad = n - 2 if n > 2 else 0
     if pool.needs_restart or not pool.started:
         pool.restart()
     pool.roster.deaths.clear()  # each case's death is its own (3 in a minute stop the pool)
+    check_case(pool, case, n - 2 if n > 2 else 0)
+
+
+def check_case(pool, case: Case, bad: int) -> None:
+    """Run ``case`` with ``bad`` failing on ``pool`` (a local pool, or a detached one: see
+    test_detached.py) and check everything the fault matrix promises."""
+    n = pool.world_size
     pool.execute("import torch.distributed as dist\nkept = rank + 100")
     pids = list(pool.pids)
     code = case.code.replace("BAD", str(bad))

@@ -494,3 +494,74 @@ def test_a_detached_pool_outlives_a_restarted_and_a_killed_kernel(kernels):
             with contextlib.suppress(NbddpError):
                 detached_client.stop("exp")
         family.clean()
+
+
+def one_usage_error(r: Reply) -> str:
+    """The one line of a UsageError a cell printed (and nothing else on stderr)."""
+    assert r.error is None, r.error
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("UsageError: "), r.stderr
+    return lines[0].removeprefix("UsageError: ")
+
+
+@pytest.mark.timeout(180)
+def test_two_kernels_list_refuse_take_over_time_out_and_see_the_supervisor_die(kernels):
+    """Kernel A starts two detached pools; %ddp list shows both; kernel B's connect is
+    refused in one line, --force takes over and A's next cell says so; a pool with a short
+    --idle-timeout left alone stops itself; the supervisor killed, B's next cell says the
+    pool is gone in one line and its ranks exit."""
+    _, a = kernels()
+    _, b = kernels()
+    for kc in (a, b):
+        assert execute(kc, "%load_ext nbddp").error is None
+    families = []
+    try:
+        assert execute(a, "%ddp start -n 3 --detached main").error is None
+        families.append(DetachedFamily("main"))
+        assert execute(a, "%%ddp --text\nmine = rank + 7").error is None
+        # a second pool: a lets main go (it runs on), then brief too
+        assert execute(a, "%ddp start -n 2 --detached brief --idle-timeout 4").error is None
+        families.insert(0, DetachedFamily("brief"))
+        assert execute(a, "%ddp disconnect").error is None  # brief: nobody connected now
+
+        listing = execute(b, "%ddp list").stdout.splitlines()
+        assert listing[0].split()[:6] == ["name", "ranks", "alive", "state", "kernel", "uptime"]
+        rows = {line.split()[0]: line for line in listing[1:]}
+        assert sorted(rows) == ["brief", "main"], listing
+        assert rows["main"].split()[1:5] == ["3", "3", "idle", "none"], listing
+        assert " none for " in rows["brief"], listing
+        assert execute(a, "%ddp connect main").error is None
+
+        # (IPython shows a UsageError as one line on stderr, not as an error reply)
+        said = one_usage_error(execute(b, "%ddp connect main"))
+        assert "connected to another kernel" in said, said
+        assert "`%ddp connect main --force` takes it over" in said
+
+        r = execute(b, "%ddp connect main --force")
+        assert r.error is None, r.text
+        said = one_usage_error(execute(a, "%%ddp --text\nmine"))
+        assert "took the detached pool main over" in said, said
+        r = execute(b, "%%ddp --text --out seen\nmine")
+        assert r.error is None, r.text
+        assert "[rank 2] Out: 9" in r.stdout, r.stdout
+
+        # brief had no kernel for 4 s: it stopped itself and left nothing
+        assert families[0].alive(timeout=15) == []
+        assert families[0].folders_left() == []
+        assert "brief" not in execute(a, "%ddp list").stdout
+
+        # main's supervisor killed: its ranks exit, and b's next cell says so in one line
+        families[1].record()
+        os.kill(families[1].supervisor.pid, signal.SIGKILL)
+        assert families[1].alive(timeout=15) == []
+        said = one_usage_error(execute(b, "%%ddp --text\nmine"))
+        assert said == (
+            "the detached pool main is gone (its supervisor ended): its ranks' state is lost"
+        ), said
+    finally:
+        for family in families:
+            if family.supervisor.pid in family.alive(timeout=0):
+                with contextlib.suppress(NbddpError):
+                    detached_client.stop(family.name)
+            family.clean()
