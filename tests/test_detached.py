@@ -436,3 +436,31 @@ def test_the_whole_fault_matrix_on_a_detached_pool(detached, case):
     bad = (n - 2 + deaths.index(case.name)) % n if case.died else (n - 2 if n > 2 else 0)
     check_case(detached.pool, case, bad)
     detached.family.record()  # a new rank's process, or a new pool's
+
+
+@pytest.mark.timeout(60)
+@two_ranks
+def test_pdb_a_torchrun_script_and_copy_work_on_a_detached_pool(detached, tmp_path):
+    """breakpoint() asks the kernel (through the supervisor, both ways); %ddp run's script
+    runs unchanged with its argv; %ddp copy copies between ranks."""
+    from nbddp.drive import drive
+
+    pool = detached.pool
+    asked = []
+
+    def prompt(event):
+        asked.append((event.rank, event.prompt))
+        return "p rank * 100" if len(asked) == 1 else "c"
+
+    end = drive(
+        pool, pool.run("breakpoint()\ny = rank + 5\ny", want_values=True, ranks=[1]), prompt=prompt
+    )
+    assert asked == [(1, "(Pdb rank 1) "), (1, "(Pdb rank 1) ")]
+    assert end.values == {1: 6}
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys\nz = len(sys.argv[1:]) * (int(os.environ['RANK']) + 1)\n")
+    raise_for_end(drive(pool, pool.run_script(str(script), ["--lr", "0.1"], keep=True)))
+    assert pool.execute("z") == [2, 4]
+    done = pool.copy(["z"], 1, [0])
+    assert done.dst == (0,)
+    assert pool.execute("z") == [4, 4]
