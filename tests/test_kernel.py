@@ -512,7 +512,7 @@ def test_two_kernels_list_refuse_take_over_time_out_and_see_the_supervisor_die(k
     --idle-timeout left alone stops itself; the supervisor killed, B's next cell says the
     pool is gone in one line and its ranks exit."""
     _, a = kernels()
-    _, b = kernels()
+    km_b, b = kernels()
     for kc in (a, b):
         assert execute(kc, "%load_ext nbddp").error is None
     families = []
@@ -545,6 +545,24 @@ def test_two_kernels_list_refuse_take_over_time_out_and_see_the_supervisor_die(k
         r = execute(b, "%%ddp --text --out seen\nmine")
         assert r.error is None, r.text
         assert "[rank 2] Out: 9" in r.stdout, r.stdout
+
+        # the stop button in b interrupts main's ranks through the supervisor; state kept
+        started = []
+
+        def interrupt_once_running(reply):
+            if "sleeping" in reply.stdout and not started:
+                started.append(time.monotonic())
+                km_b.interrupt_kernel()
+
+        r = execute(
+            b,
+            "%%ddp --text\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)",
+            on_output=interrupt_once_running,
+            timeout=30,
+        )
+        assert started, r.text
+        assert r.error["ename"] == "CellInterrupted", r.error
+        assert "[rank 1] Out: 8" in execute(b, "%%ddp --text --out seen\nmine").stdout
 
         # brief had no kernel for 4 s: it stopped itself and left nothing
         assert families[0].alive(timeout=15) == []
