@@ -440,7 +440,7 @@ def test_the_whole_fault_matrix_on_a_detached_pool(detached, case):
 
 @pytest.mark.timeout(60)
 @two_ranks
-def test_pdb_a_torchrun_script_and_copy_work_on_a_detached_pool(detached, tmp_path):
+def test_pdb_a_torchrun_script_copy_and_restart_work_on_a_detached_pool(detached, tmp_path):
     """breakpoint() asks the kernel (through the supervisor, both ways); %ddp run's script
     runs unchanged with its argv; %ddp copy copies between ranks."""
     from nbddp.drive import drive
@@ -464,3 +464,8 @@ def test_pdb_a_torchrun_script_and_copy_work_on_a_detached_pool(detached, tmp_pa
     done = pool.copy(["z"], 1, [0])
     assert done.dst == (0,)
     assert pool.execute("z") == [4, 4]
+    before = list(pool.pids)
+    assert pool.restart() is pool  # %ddp restart: new ranks, every rank's state gone
+    detached.family.record()
+    assert set(pool.pids).isdisjoint(before)
+    assert pool.execute("'z' in globals()") == [False, False]

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import pickle
 import queue
 import secrets
 import shutil
@@ -224,12 +225,13 @@ class Supervisor:
         if not isinstance(msg, W.Call) or msg.method not in CALLS:
             return
         try:
-            value = getattr(self, f"_{msg.method}", None)
-            value = (
-                value(*msg.args)
-                if value
-                else getattr(self.pool, msg.method)(*msg.args, **msg.kwargs)
-            )
+            own = getattr(self, f"_{msg.method}", None)
+            if own is not None:
+                value = own(*msg.args)
+            else:
+                value = getattr(self.pool, msg.method)(*msg.args, **msg.kwargs)
+            if value is self.pool:  # (restart returns the pool: the kernel has its state)
+                value = None
             reply = W.Reply(value, self.state())
         except Exception as exc:
             reply = W.Failed(type(exc).__name__, str(exc), self.state())
@@ -237,7 +239,10 @@ class Supervisor:
             self.stopping = True
         with self.lock, contextlib.suppress(OSError):
             if self.client is conn:
-                conn.send(reply)
+                try:
+                    conn.send(reply)
+                except (TypeError, AttributeError, pickle.PicklingError) as exc:
+                    conn.send(W.Failed(type(exc).__name__, str(exc), self.state()))
 
     def _listing(self) -> dict:
         with self.lock:
