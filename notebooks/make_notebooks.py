@@ -576,13 +576,21 @@ def write(name: str, cells: list) -> None:
     nbformat.write(nb, HERE / name)
 
 
+NOTEBOOKS = {
+    "01-quickstart.ipynb": QUICKSTART,
+    "02-ddp-cnn.ipynb": CNN,
+    "03-fsdp2-transformer.ipynb": FSDP_TRANSFORMER,
+    "04-tensor-parallel.ipynb": TENSOR_PARALLEL,
+    "05-failures.ipynb": FAILURES,
+    "10-accelerate.ipynb": ACCELERATE,
+    "11-lightning.ipynb": LIGHTNING,
+    "12-transformers.ipynb": TRANSFORMERS,
+    "13-fsdp2-tensor-parallel.ipynb": FSDP_TP,
+}
+
+
 if __name__ == "__main__":
-    write("01-quickstart.ipynb", QUICKSTART)
-    write("02-ddp-cnn.ipynb", CNN)
-    write("03-fsdp2-transformer.ipynb", FSDP_TRANSFORMER)
-    write("04-tensor-parallel.ipynb", TENSOR_PARALLEL)
-    write("05-failures.ipynb", FAILURES)
-    write("10-accelerate.ipynb", ACCELERATE)
-    write("11-lightning.ipynb", LIGHTNING)
-    write("12-transformers.ipynb", TRANSFORMERS)
-    write("13-fsdp2-tensor-parallel.ipynb", FSDP_TP)
+    import sys
+
+    for name in sys.argv[1:] or NOTEBOOKS:  # (names given: only those, e.g. 05-failures.ipynb)
+        write(name, NOTEBOOKS[name])
