@@ -113,7 +113,9 @@ class Pool(PoolCalls):
         self.hub.exits = lambda: self.procs.exited(self.roster.pids())
         self.roster.hub = self.hub
         self._cells = itertools.count(1)
-        self._generation = 0
+        # counts starts and replaced ranks: a new generation has ranks with fresh namespaces
+        # (so the notebook's imports are replayed to them)
+        self.generation = 0
 
     def __del__(self) -> None:
         hub = getattr(self, "hub", None)
@@ -162,16 +164,6 @@ class Pool(PoolCalls):
         return None if self.attached else self.procs.shm
 
     @property
-    def generation(self) -> int:
-        """Counts starts and replaced ranks: a new generation has ranks with fresh
-        namespaces (so the notebook's imports are replayed to them)."""
-        return self._generation
-
-    def renewed(self) -> None:
-        """Some ranks have fresh namespaces now (a new process took a dead one's place)."""
-        self._generation += 1
-
-    @property
     def devices(self) -> list[str]:
         return [r.device for r in self.roster.ranks.values()]
 
@@ -205,7 +197,7 @@ class Pool(PoolCalls):
                     pid = self.procs.start(rank, self.address, rank_env(self, rank))
                     self.roster.add(rank, pid)
             self.handshake(self.start_timeout)
-            self._generation += 1
+            self.generation += 1
             self.state = "ready"
         except BaseException:
             self._teardown(keep_launcher=False)
@@ -406,5 +398,3 @@ class Pool(PoolCalls):
     def debug_reply(self, prompt: P.RankDebug, line: str | None) -> None:
         """Answer a rank's pdb (a ``RankDebug`` event) with ``line``; None ends its session."""
         self.roster[prompt.rank].send(P.DebugInput(line, prompt.seq))
-
-    # ------------------------------------------------------------ status

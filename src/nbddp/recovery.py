@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import signal
 import time
+from dataclasses import dataclass
 
 from . import protocol as P
 from . import stacks as S
@@ -48,6 +49,15 @@ STALE = "objects bound to the old group (DDP models, device meshes, subgroups) m
 
 class CrashLoop(PoolStartError):
     """A rank died too often to be replaced again."""
+
+
+@dataclass
+class _Dead:
+    """What a replaced rank's first process held, and how its last process ended."""
+
+    names: frozenset[str]
+    modules: frozenset[str]  # which of the names were modules
+    code: int | None
 
 
 def state_lost(what: str) -> str:
@@ -119,9 +129,9 @@ def _said(names: list[str]) -> str:
 
 def _replaced_notes(pool, had: dict, took: float) -> list[str]:
     notes = []
-    for rank, (names, modules) in sorted(had.items()):
-        gone = names - pool.roster[rank].names
-        objects, imported = sorted(gone - modules), sorted(gone & modules)
+    for rank, dead in sorted(had.items()):
+        gone = dead.names - pool.roster[rank].names
+        objects, imported = sorted(gone - dead.modules), sorted(gone & dead.modules)
         notes.append(
             f"rank {rank}: a new process took its place; "
             + (
@@ -139,8 +149,8 @@ def _replaced_notes(pool, had: dict, took: float) -> list[str]:
         )
     else:
         notes.append(f"the process group was formed again with the {new} in {took:.2f} s")
-    for rank in sorted(had):
-        if pool.roster.deaths.get(rank) and pool.roster.last_exit.get(rank) == -signal.SIGKILL:
+    for rank, dead in sorted(had.items()):
+        if dead.code == -signal.SIGKILL:
             notes.append(_oom_hint(rank))
     return notes
 
@@ -154,7 +164,7 @@ def _oom_hint(rank: int) -> str:
 
 def _formed_again(pool, dead: list[int]):
     """Re-form the group, new processes in place of ``dead`` and of any rank that dies on
-    the way; {rank: the names it held} for the replaced ranks, or None when the pool had
+    the way; {rank: what it held} for the replaced ranks, or None when the pool had
     to be stopped (said in a note). Yields the output that came meanwhile."""
     try:
         had = _form_again(pool, dead, REFORM_TIMEOUT)
@@ -169,7 +179,7 @@ def _formed_again(pool, dead: list[int]):
         )
         return None
     if had:
-        pool.renewed()
+        pool.generation += 1  # fresh namespaces: the imports are replayed to them
     backlog, pool.roster.backlog = pool.roster.backlog, []
     yield from backlog
     return had
@@ -182,14 +192,18 @@ def _form_again(pool, dead: list[int], timeout: float) -> dict:
     not all joined within ``timeout``, or an interrupt ended the wait."""
     roster, requests = pool.roster, pool.requests
     roster.store_port = None
-    had: dict[int, tuple[frozenset[str], frozenset[str]]] = {}  # its names, its modules
+    had: dict[int, _Dead] = {}
     pending, fresh, again = sorted(dead), set(), False
     requests.reforming, requests.cancel_wait = True, False
     try:
         while True:
             for rank in pending:
-                _count_death(pool, rank)
-                had.setdefault(rank, (roster[rank].names, roster[rank].modules))
+                r = roster[rank]
+                code = r.returncode if r.returncode is not None else pool.exit_code(r)
+                if again:
+                    pool.notes.append(f"{RankDied(rank, code).summary} as the group re-formed")
+                _count_death(roster, rank)
+                had.setdefault(rank, _Dead(r.names, r.modules, code)).code = code
             restart = sorted(set(pending) | fresh)  # new ones have no state: start them again
             if restart:
                 _end_processes(pool, [roster[rank] for rank in restart])
@@ -213,17 +227,13 @@ def _form_again(pool, dead: list[int], timeout: float) -> dict:
                 if not can_replace(pool):
                     raise
                 pending = [gone.rank]
-                code = pool.exit_code(roster[gone.rank])
-                pool.notes.append(f"{RankDied(gone.rank, code).summary} as the group re-formed")
     finally:
         requests.reforming = False
 
 
-def _count_death(pool, rank: int) -> None:
+def _count_death(roster, rank: int) -> None:
     """Count a death of ``rank``; CrashLoop when it died too often to be replaced again."""
-    roster, now = pool.roster, time.monotonic()
-    r = roster[rank]
-    roster.last_exit[rank] = r.returncode if r.returncode is not None else pool.exit_code(r)
+    now = time.monotonic()
     times = [t for t in roster.deaths.get(rank, []) if now - t < CRASH_WINDOW] + [now]
     roster.deaths[rank] = times
     if len(times) >= CRASH_LOOP:
@@ -238,7 +248,7 @@ def _end_processes(pool, ranks: list) -> None:
     live = [r for r in ranks if r.state != "dead"]
     for r in live:
         pool.procs.kill(r.pid)
-    pool.procs.reap_ranks(live, time.monotonic() + 2.0)
+    pool.reap(live, time.monotonic() + 2.0)
     for r in ranks:
         pool.roster.forget(r.rank)
 

@@ -79,7 +79,6 @@ class Roster:
         self.store_port: int | None = None  # the group's store, as rank 0 reported it
         self.reforms = 0  # re-forms of the group (generations), each named in the store
         self.deaths: dict[int, list[float]] = {}  # rank -> when its processes died
-        self.last_exit: dict[int, int | None] = {}  # rank -> how its last process ended
         self._reform_failed: tuple[float, str] | None = None  # (when, why), this generation
         self.backlog: list[P.Output] = []  # output between cells, said with the next
         self.on_join: Callable[[int, int], None] | None = None
@@ -127,7 +126,6 @@ class Roster:
         self.store_port = None
         self.reforms = 0  # (a new pool has a new store)
         self.deaths.clear()
-        self.last_exit.clear()
         return ranks
 
     def forget(self, rank: int) -> None:
