@@ -20,23 +20,37 @@ import selectors
 import subprocess
 import sys
 import types
-from multiprocessing.connection import Client
 from pathlib import Path
 
 P = None  # nbddp.protocol, loaded by _load_protocol()
 R = None  # nbddp.relay
+W = None  # nbddp.wire
 
 
 def _load_protocol():
     """nbddp's protocol module under its own name (what the notebook unpickles), without
     the package's __init__ where nbddp is not imported yet (it would import torch)."""
-    global P, R
+    global P, R, W
     if "nbddp" not in sys.modules:
         package = types.ModuleType("nbddp")
         package.__path__ = [str(Path(__file__).resolve().parent.parent / "src" / "nbddp")]
         sys.modules["nbddp"] = package
     P = importlib.import_module("nbddp.protocol")
     R = importlib.import_module("nbddp.relay")
+    W = importlib.import_module("nbddp.wire")
+
+
+def Client(addr, family, authkey):  # noqa: N802 (as multiprocessing's was called)
+    return W.connect(addr, family, authkey)
+
+
+def _write(conn, data: bytes) -> None:
+    """Bytes on a stream: as they are on a Unix socket, in a frame on TCP."""
+    if conn.mode == "plain":
+        os.set_blocking(conn.fileno(), True)
+        os.write(conn.fileno(), data)
+    else:
+        conn.send_bytes(data)
 
 
 def parse_address(address: str):
@@ -99,7 +113,7 @@ class SimRank:
 
     def _print(self, *args, sep=" ", end="\n", file=None, flush=False) -> None:
         stream = "stderr" if file is sys.stderr else "stdout"
-        os.write(self.streams[stream].fileno(), (sep.join(map(str, args)) + end).encode())
+        _write(self.streams[stream], (sep.join(map(str, args)) + end).encode())
 
     def handle(self) -> bool:
         """One message from the notebook; False when this rank is done."""
@@ -119,7 +133,7 @@ class SimRank:
                 return False
             for conn in self.streams.values():
                 if not self.relayed:  # as a real rank: behind a relay, no end markers
-                    os.write(conn.fileno(), P.end_marker(msg.cell))
+                    _write(conn, P.end_marker(msg.cell))
             done = (
                 _OK[msg.cell] if error is None else P.dumps(P.Done(msg.cell, status, error=error))
             )

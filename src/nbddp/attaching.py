@@ -14,26 +14,37 @@ from IPython.core.error import UsageError
 from . import remote
 from .errors import PoolStartError
 from .pool import Pool
+from .private import UnsafeFile
 from .session import say
+from .tls import make_server_tls
+from .wire import Tls
 
 __all__ = ["attach", "prepare"]
 
 
-def prepare(args) -> tuple[str, int, bytes]:
-    """What ``%ddp attach`` (``args``: its parsed options) listens on and with which
-    token: checked before the running pool is let go."""
+def prepare(args) -> tuple[str, int, bytes, Tls | None]:
+    """What ``%ddp attach`` (``args``: its parsed options) listens on, with which token
+    and (--tls) certificate: checked before the running pool is let go. The token file
+    is made if missing; with --tls it pins the new certificate, without it pins none
+    (the ranks of the last pool attached with it read how to connect there)."""
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
         raise UsageError(f"--listen takes HOST:PORT, not {args.listen!r}")
-    return host, int(port), remote.read_or_create_token(args.token_file)
+    tls, pin = make_server_tls() if args.tls else (None, "")
+    try:
+        token = remote.read_or_create_token(args.token_file, pin)
+    except UnsafeFile as exc:
+        raise UsageError(str(exc)) from None
+    return host, int(port), token, tls
 
 
-def attach(args, host: str, port: int, token: bytes) -> Pool:
+def attach(args, host: str, port: int, token: bytes, tls: Tls | None = None) -> Pool:
     """The pool ``%ddp attach`` asked for, once every rank is in (see :func:`prepare`)."""
     pool = Pool(
         args.world_size,
         listen=(host, port),
         token=token,
+        tls=tls,
         start_timeout=args.timeout,
         on_join=_joined,
     )
@@ -64,7 +75,7 @@ def _call_ranks(args, pool: Pool, host: str) -> None:
     )
     if not args.slurm:
         say(
-            f"listening on {address}; on each node run:\n"
+            f"listening on {address}{' (TLS)' * bool(pool.tls)}; on each node run:\n"
             + remote.torchrun_command(reachable, args.token_file, args.world_size)
         )
         return

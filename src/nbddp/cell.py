@@ -107,7 +107,7 @@ class Cell:
         table = pool.roster.ranks
         # a relay forwards a rank's Done after all it printed: no end markers to wait for
         marks = {r: table[r].link.open_streams() for r in targets if not table[r].link.relay}
-        self.out = Outcome(self.cell, targets, marks, self.raw)
+        self.out = Outcome(self.cell, targets, marks, self.raw, self.pool.shm_folder)
         pool.requests.active = self.cell
         yield from self._supervised(targets)
         yield from self._after(notes)

@@ -28,15 +28,16 @@ import threading
 import time
 import traceback
 from collections import deque
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener
 
 import psutil
 
 from . import detached_wire as W
-from . import payload
+from . import payload, wire
 from . import protocol as P
+from .detached_wire import Link
+from .listener import bind_unix
 from .pool import Pool
+from .private import write_private
 
 __all__ = ["IDLE_TIMEOUT", "Supervisor", "main"]
 
@@ -55,7 +56,7 @@ class Supervisor:
         self.idle_timeout = float(options.get("idle_timeout", IDLE_TIMEOUT))
         self.started_at = time.time()
         self.lock = threading.Lock()  # the client, the backlog
-        self.client: Connection | None = None
+        self.client: Link | None = None
         self.client_pid: int | None = None
         self.requests: queue.Queue = queue.Queue()
         self.backlog: deque = deque()
@@ -73,13 +74,13 @@ class Supervisor:
     def serve(self) -> None:
         self.pool.start()
         token = secrets.token_hex(32).encode()
-        _write_private(os.path.join(self.folder, "token"), token)
+        write_private(os.path.join(self.folder, "token"), token)
         address = os.path.join(self.folder, "sock")
-        listener = Listener(address, family="AF_UNIX", authkey=token)
+        listener = bind_unix(address, backlog=16)
         os.chmod(address, 0o600)
         info = {"pid": os.getpid(), "world_size": self.pool.world_size, "started": time.time()}
-        _write_private(os.path.join(self.folder, "info.json"), json.dumps(info).encode())
-        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        write_private(os.path.join(self.folder, "info.json"), json.dumps(info).encode())
+        threading.Thread(target=self._accept, args=(listener, token), daemon=True).start()
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))  # cleanly
         try:
             while not self.stopping:
@@ -102,18 +103,22 @@ class Supervisor:
 
     # ------------------------------------------------------------ kernels
 
-    def _accept(self, listener: Listener) -> None:
+    def _accept(self, listener, token: bytes) -> None:
+        """Kernels, one by one: the handshake and the hello within HELLO_TIMEOUT s."""
         while True:
             try:
-                conn = listener.accept()
-            except AuthenticationError:
-                continue  # not the token: nothing was read from it
-            except OSError:
-                return  # closed
+                sock, _ = listener.accept()
+            except OSError as exc:
+                if listener.fileno() < 0 or exc.errno is None:
+                    return  # closed
+                time.sleep(0.05)  # EMFILE and the like: let it pass
+                continue
             try:
-                hello = conn.recv() if conn.poll(HELLO_TIMEOUT) else None
-            except (EOFError, OSError):
-                hello = None
+                conn = Link(wire.server_handshake(sock, token, HELLO_TIMEOUT))
+                hello = pickle.loads(conn.channel.recv_bytes(1 << 16, timeout=HELLO_TIMEOUT))
+            except Exception:  # not the token, too slow, not a hello: nothing more from it
+                sock.close()
+                continue
             if not isinstance(hello, W.Hello) or hello.version != W.VERSION:
                 conn.close()
                 continue
@@ -124,7 +129,7 @@ class Supervisor:
                 continue
             self._welcome(conn, hello)
 
-    def _welcome(self, conn: Connection, hello: W.Hello) -> None:
+    def _welcome(self, conn: Link, hello: W.Hello) -> None:
         with self.lock:
             if self.client is not None and not hello.force:
                 conn.send(
@@ -150,7 +155,7 @@ class Supervisor:
             self.client, self.client_pid = conn, hello.pid
         threading.Thread(target=self._read, args=(conn,), daemon=True).start()
 
-    def _read(self, conn: Connection) -> None:
+    def _read(self, conn: Link) -> None:
         """The kernel's messages: interrupts and pdb lines at once, the rest in turn."""
         while True:
             try:
@@ -218,7 +223,7 @@ class Supervisor:
             dict(pool.last_stacks),
         )
 
-    def _handle(self, conn: Connection, msg: object) -> None:
+    def _handle(self, conn: Link, msg: object) -> None:
         if isinstance(msg, W.RunCell):
             self._run(msg.kwargs)
             return
@@ -295,12 +300,6 @@ def _is_output(item: object) -> bool:
     return isinstance(item, W.Event) and isinstance(item.event, P.Output)
 
 
-def _write_private(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-
-
 def main(argv: list[str] | None = None) -> int:
     folder = (argv or sys.argv[1:])[0]
     with open(os.path.join(folder, "options.json")) as f:
@@ -312,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         Supervisor(folder, options).serve()
     except BaseException:
-        _write_private(os.path.join(folder, "error.txt"), traceback.format_exc().encode())
+        write_private(os.path.join(folder, "error.txt"), traceback.format_exc().encode())
         raise
     return 0
 

@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from multiprocessing.connection import Client, Connection
 
 from . import capture
 from . import detached_wire as W
@@ -29,6 +28,8 @@ from . import protocol as P
 from .detached import IDLE_TIMEOUT
 from .outcome import RawValue, load_value
 from .pool_calls import PoolCalls
+from .private import UnsafeFile, read_private
+from .wire import connect as wire_connect
 
 __all__ = ["DetachedPool", "connect", "listing", "start", "stop"]
 
@@ -41,7 +42,7 @@ class DetachedPool(PoolCalls):
     detached = True
     attached = False
 
-    def __init__(self, conn: Connection, welcome: W.Welcome) -> None:
+    def __init__(self, conn: W.Link, welcome: W.Welcome) -> None:
         self.conn = conn
         self._state: W.PoolState = welcome.state
         self.resumed = welcome.resumed  # a cell ran meanwhile: resume() gives its events
@@ -224,12 +225,14 @@ def _load_values(end: P.CellEnd) -> P.CellEnd:
 
 def _hello(
     name: str, *, force: bool = False, peek: bool = False, timeout: float = 10.0
-) -> tuple[Connection, object]:
+) -> tuple[W.Link, object]:
     folder = W.folder_of(name)
     try:
-        with open(os.path.join(folder, "token"), "rb") as f:
-            token = f.read()
-        conn = Client(os.path.join(folder, "sock"), family="AF_UNIX", authkey=token)
+        token = read_private(os.path.join(folder, "token"), "detached pool's token")
+        channel = wire_connect(os.path.join(folder, "sock"), "AF_UNIX", token, timeout=0)
+        conn = W.Link(channel)
+    except UnsafeFile as exc:
+        raise E.PoolClosedError(str(exc)) from None
     except (OSError, EOFError):
         raise E.PoolClosedError(f"no detached pool named {name} (see %ddp list)") from None
     conn.send(W.Hello(os.getpid(), force, peek))

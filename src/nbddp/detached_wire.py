@@ -4,8 +4,10 @@ A detached pool (``%ddp start --detached NAME``) is a :class:`~nbddp.pool.Pool`
 run by a supervisor process of its own (:mod:`nbddp.detached`); a kernel is
 its client (:mod:`nbddp.detached_client`) over one Unix socket in the pool's
 private folder, ``~/.nbddp/pools/NAME/`` (0700), authenticated with the
-token in ``token`` (0600) by ``multiprocessing.connection``'s HMAC challenge,
-both ways, before anything is unpickled::
+token in ``token`` (0600) by :mod:`nbddp.wire`'s SHA-256 challenge, both ways,
+before anything is unpickled. These messages carry the user's own values (a
+call's arguments, a cell's results) and are unpickled whole: both ends are
+processes of the same user, on a socket only that user can reach::
 
     kernel                                   supervisor
     Hello(pid, force) ---------------------->
@@ -22,7 +24,11 @@ both ways, before anything is unpickled::
 from __future__ import annotations
 
 import os
+import pickle
+import threading
 from dataclasses import dataclass, field
+
+from .wire import Channel
 
 __all__ = [
     "Batch",
@@ -32,6 +38,7 @@ __all__ = [
     "Failed",
     "Hello",
     "Interrupt",
+    "Link",
     "PoolState",
     "Refused",
     "Reply",
@@ -43,6 +50,28 @@ __all__ = [
 ]
 
 VERSION = 1
+
+
+class Link:
+    """One kernel's connection to a supervisor: whole objects each way."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self._lock = threading.Lock()  # several threads send
+
+    def send(self, msg: object) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self.channel.send_bytes(data)
+
+    def recv(self) -> object:
+        return pickle.loads(self.channel.recv_bytes())
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        return self.channel.poll(timeout)
+
+    def close(self) -> None:
+        self.channel.close()
 
 
 def pools_folder() -> str:

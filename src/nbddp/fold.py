@@ -74,14 +74,28 @@ class Group:
         return f"ranks {rank_set(self.ranks)}"
 
 
+PARTIAL_MAX = 1 << 14  # characters of an unfinished line kept (its end), at most
+
+
 class Lines:
-    """Text chunks in, whole lines out; a carriage return rewrites the line so far."""
+    """Text chunks in, whole lines out; a carriage return rewrites the line so far.
+
+    The unfinished line keeps only what follows its last carriage return (a
+    progress bar's last state) and at most PARTIAL_MAX characters of its end, so
+    a bar updated 100,000 times in one line costs each update the same.
+    """
 
     def __init__(self) -> None:
         self.partial = ""
 
     def feed(self, text: str) -> list[str]:
-        *lines, self.partial = (self.partial + text).split("\n")
+        *lines, rest = (self.partial + text).split("\n")
+        cut = rest.rstrip("\r").rfind("\r")  # ("a\r" stays: a "\n" may follow it)
+        if cut >= 0:
+            rest = rest[cut + 1 :]
+        if len(rest) > PARTIAL_MAX:
+            rest = "…" + rest[-PARTIAL_MAX:]
+        self.partial = rest
         return [self.settle(line) for line in lines]
 
     @staticmethod

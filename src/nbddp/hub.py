@@ -12,7 +12,8 @@ items, in the order it was read:
 ``Closed(rank, stream)``           the stream ended (the rank closed it, or went)
 ``Msg(rank, msg)``                 a control message
 ``Dones(ranks, msg)``              the same Done from each of ``ranks`` (a relay)
-``Gone(rank)``                     its control connection closed or its process ended
+``Gone(rank, why)``                its control connection closed or its process ended
+                                   (``why``: a frame failed its check, in words)
 =================================  =============================================
 
 The hub knows connections, not what ranks are doing: a rank table it is given
@@ -29,10 +30,10 @@ import queue
 import selectors
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 
 from . import protocol as P
 from .streams import Stream
+from .wire import Channel, FrameError
 
 __all__ = ["Closed", "Dones", "Gone", "Hub", "Link", "Mark", "Msg", "RelayLink", "Text"]
 
@@ -74,6 +75,7 @@ class Dones:
 @dataclass(frozen=True, slots=True)
 class Gone:
     rank: int
+    why: str = ""  # the connection was closed for this (a frame failed its check)
 
 
 Item = Text | Mark | Closed | Msg | Dones | Gone
@@ -82,7 +84,7 @@ Item = Text | Mark | Closed | Msg | Dones | Gone
 class RelayLink:
     """A host's relay (nbddp.relay): one connection carries all its ranks' traffic."""
 
-    def __init__(self, conn: Connection, hello: P.RelayHello) -> None:
+    def __init__(self, conn: Channel, hello: P.RelayHello) -> None:
         self.conn, self.host, self.pid = conn, hello.host, hello.pid
         self.ranks: set[int] = set()
 
@@ -105,7 +107,7 @@ class Link:
     """How the notebook reaches one rank: its control connection (behind a relay, the
     relay's) and its output streams."""
 
-    conn: Connection | None = None
+    conn: Channel | None = None
     relay: RelayLink | None = None
     streams: dict[str, Stream] = field(default_factory=dict)
 
@@ -117,7 +119,7 @@ class Link:
         """The streams still open: an end marker can come only on those."""
         return {name for name, s in self.streams.items() if not s.eof}
 
-    def connections(self) -> list[Connection]:
+    def connections(self) -> list[Channel]:
         return [c for c in [self.conn, *(s.conn for s in self.streams.values())] if c]
 
 
@@ -155,7 +157,7 @@ class Hub:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"!")
 
-    def arrive(self, conn: Connection, hello: object) -> None:
+    def arrive(self, conn: Channel, hello: object) -> None:
         """A connection the listener authenticated (from its thread): attached at the
         next pump, in the pump's thread."""
         self.arrived.put((conn, hello))
@@ -172,7 +174,7 @@ class Hub:
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(fd)
 
-    def unwatch_conn(self, conn: Connection) -> None:
+    def unwatch_conn(self, conn: Channel) -> None:
         if not conn.closed:
             self.unwatch(conn.fileno())
 
@@ -240,10 +242,19 @@ class Hub:
             self.unwatch(fd)
             return []
         if s is None:
+            conn, items = r.link.conn, []
             try:
-                return [Msg(rank, P.loads(r.link.conn.recv_bytes()))]
+                items.append(Msg(rank, P.loads(conn.recv_bytes(ready=True))))
+                while conn.pending():  # TLS: frames already read and decrypted
+                    items.append(Msg(rank, P.loads(conn.recv_bytes(ready=True))))
+            except FrameError as exc:
+                return [*items, Gone(rank, f"its connection failed a check: {exc}")]
             except (EOFError, OSError):
-                return [Gone(rank)]
+                return [*items, Gone(rank)]
+            except Exception as exc:  # a message this side cannot decode
+                conn.close()
+                return [*items, Gone(rank, f"it sent what is not a message ({exc})")]
+            return items
         items = self._stream_items(rank, s, s.read())
         if s.eof:
             self.unwatch(fd)
@@ -251,16 +262,20 @@ class Hub:
 
     def _service_relay(self, relay: RelayLink) -> list[Item]:
         """What came from a host's relay: the same items as from its ranks, one frame."""
-        try:
-            frame = pickle.loads(relay.conn.recv_bytes())
-        except (EOFError, OSError):  # the relay ended: so did its ranks' connections
-            self.unwatch_conn(relay.conn)
-            relay.conn.close()
-            return [Gone(rank) for rank in sorted(relay.ranks) if self.live(rank)]
         items: list[Item] = []
-        for item in frame:
-            items += self._RELAYED[item[0]](self, relay, item)
-        return items
+        why = ""
+        try:
+            while True:
+                for item in P.loads_plain(relay.conn.recv_bytes(ready=True)):
+                    items += self._RELAYED[item[0]](self, relay, item)
+                if not relay.conn.pending():  # (TLS: more already read and decrypted)
+                    return items
+        except Exception as exc:  # the relay ended, or must
+            if not isinstance(exc, (EOFError, OSError)) or isinstance(exc, FrameError):
+                why = f"the connection of its host's relay failed a check: {exc}"
+        self.unwatch_conn(relay.conn)  # its ranks' connections ended with it
+        relay.conn.close()
+        return items + [Gone(rank, why) for rank in sorted(relay.ranks) if self.live(rank)]
 
     def _relayed_out(self, _relay: RelayLink, item: tuple) -> list[Item]:
         rank = item[1]

@@ -2,31 +2,34 @@
 
 One implementation for the notebook's listener and for a host relay's. Every
 peer is heard by one of a few threads (at most AUTH_THREADS handshakes in flight,
-threads reused), so a slow or silent peer never holds up the others, and nothing
-it sends is unpickled before the HMAC challenge succeeds. A peer that fails is
-refused: the refusals are counted by reason and said in one folded line each
-(:meth:`Listener.refusals`), however many there were.
+threads reused; at most WAITING more accepted and waiting for a thread, the
+rest refused at once), so a slow or silent peer never holds up the others. The
+whole handshake, the peer's first message included, must end within
+HANDSHAKE_TIMEOUT seconds however the peer paces its bytes, and nothing it sends
+is decoded before it proved it holds the token (:mod:`nbddp.wire`). A peer that
+fails is refused: the refusals are counted by reason and said in one folded line
+each (:meth:`Listener.refusals`), however many there were.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import select
 import socket
-import struct
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 from . import protocol as P
+from . import wire
 
 __all__ = ["Listener", "bind_tcp", "bind_unix"]
 
 HELLO_LIMIT = 1 << 16  # the first message after the handshake, at most
-READ_TIMEOUT = 5  # seconds each read of the handshake may take
+HANDSHAKE_TIMEOUT = wire.HANDSHAKE_TIMEOUT  # s for the whole handshake and the first message
+WAITING = 4096  # peers accepted and waiting for an authenticating thread, at most
 REASONS_KEPT = 32  # distinct refusal reasons remembered between two reports
 AUTH_THREADS = 32  # handshakes in flight at most; the threads are kept while there is work
 IDLE_EXIT = 2.0  # seconds an authenticating thread waits for more work before it ends
@@ -43,12 +46,6 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), backlog=1024)
 
 
-def _set_read_timeout(conn: Connection, seconds: int) -> None:
-    s = socket.socket(fileno=os.dup(conn.fileno()))
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, 0))
-    s.close()
-
-
 def _why(exc: BaseException) -> str:
     """A refusal's reason in words; a class this version lacks is another nbddp version."""
     if isinstance(exc, (AttributeError, ModuleNotFoundError, ImportError)):
@@ -56,22 +53,27 @@ def _why(exc: BaseException) -> str:
             f"its first message names something this nbddp (protocol {P.PROTOCOL_VERSION}) "
             f"lacks ({type(exc).__name__}: {exc}): another nbddp version?"
         )
+    if isinstance(exc, wire.HandshakeError):
+        return str(exc)
     return f"{type(exc).__name__}: {exc}"
 
 
 class Listener:
-    """Accepts on ``sock``; each authenticated peer goes to ``on_peer(conn, hello, raw)``."""
+    """Accepts on ``sock``; each authenticated peer goes to ``on_peer(channel, hello, raw)``.
+    ``tls``: TCP peers speak TLS with this certificate (``%ddp attach --tls``)."""
 
     def __init__(
         self,
         sock: socket.socket,
         token: bytes,
-        on_peer: Callable[[Connection, object, bytes], None],
+        on_peer: Callable[[wire.Channel, object, bytes], None],
         *,
         name: str = "nbddp",
         threads: int = AUTH_THREADS,
+        tls: wire.Tls | None = None,
     ) -> None:
         self.sock, self.token, self.on_peer, self.name = sock, token, on_peer, name
+        self.tls = tls
         self._refused: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._open = True
@@ -143,8 +145,17 @@ class Listener:
             self._authenticate(sock, peer)
             return
         with self._lock:
-            self._queued += 1
-            self._peers.put((sock, peer))
+            if self._queued >= WAITING:
+                full = True
+            else:
+                full = False
+                self._queued += 1
+                self._peers.put((sock, peer))
+        if full:
+            sock.close()
+            self.refuse(peer, f"{WAITING} connections were waiting for their handshake")
+            return
+        with self._lock:
             if self._queued <= self._idle or self._threads >= self._most:
                 return  # an idle thread takes it (or the peer waits its turn)
             self._threads += 1
@@ -167,24 +178,21 @@ class Listener:
             self._authenticate(sock, peer)
 
     def _authenticate(self, sock: socket.socket, peer) -> None:
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         try:
-            sock.setsockopt(
-                socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", READ_TIMEOUT, 0)
-            )
-            if sock.family != socket.AF_UNIX:  # frames go out without Nagle's delay
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Connection(sock.detach())
-        except OSError as exc:
+            tls = self.tls if sock.family != socket.AF_UNIX else None
+            conn = wire.server_handshake(sock, self.token, HANDSHAKE_TIMEOUT, tls)
+        except Exception as exc:  # anything a peer can make happen ends only this peer
             sock.close()
             self.refuse(peer, _why(exc))
             return
         try:
-            deliver_challenge(conn, self.token)
-            answer_challenge(conn, self.token)
-            raw = conn.recv_bytes(HELLO_LIMIT)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise wire.HandshakeError("it took too long")
+            raw = conn.recv_bytes(HELLO_LIMIT, timeout=left)
             hello = P.loads(raw)
-            _set_read_timeout(conn, 0)
-        except Exception as exc:  # anything a peer can make happen ends only this peer
+        except Exception as exc:
             conn.close()
             self.refuse(peer, _why(exc))
             return

@@ -1,4 +1,8 @@
-"""``--log-dir``: every rank's output and errors in files, written as they arrive."""
+"""``--log-dir``: every rank's output and errors in files, written as they arrive.
+
+Folders are made 0700 and files 0600 (:mod:`nbddp.private`); a rank's folder must
+be a private folder of this user, and no file is opened through a symlink.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import os
 import time
 
 from . import protocol as P
+from .private import append_private, make_folder, private_folder, write_private
 
 __all__ = ["LogDir"]
 
@@ -19,15 +24,13 @@ class LogDir:
         self._files: dict[tuple[int, str], object] = {}  # (rank, stream) -> open log file
 
     def _folder(self, rank: int) -> str:
-        folder = os.path.join(self.path, str(rank))
-        os.makedirs(folder, exist_ok=True)
-        return folder
+        return private_folder(os.path.join(make_folder(self.path), str(rank)))
 
     def text(self, rank: int, stream: str, text: str) -> None:
         key = (rank, stream)
         if key not in self._files:
             path = os.path.join(self._folder(rank), f"{stream}.log")
-            self._files[key] = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+            self._files[key] = append_private(path)
         self._files[key].write(text)
 
     def error(self, rank: int, pid: int, error: P.ErrorInfo) -> None:
@@ -40,8 +43,8 @@ class LogDir:
             "traceback": error.traceback,
             "timestamp": time.time(),
         }
-        with open(os.path.join(self._folder(rank), "error.json"), "w") as f:
-            json.dump(record, f, indent=2)
+        path = os.path.join(self._folder(rank), "error.json")
+        write_private(path, json.dumps(record, indent=2).encode())
 
     def close(self) -> None:
         for f in self._files.values():

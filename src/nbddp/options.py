@@ -154,6 +154,7 @@ def ddp_start(line):
 @argument("--world-size", type=_world_size, required=True, help="how many ranks will connect")
 @argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (loopback by default)")
 @argument("--token-file", default=remote.DEFAULT_TOKEN_FILE, help="shared secret (made if missing)")
+@argument("--tls", action="store_true", help="encrypt (a certificate pinned in the token file)")
 @argument("--timeout", type=_seconds, default=600.0, help="seconds to wait for every rank")
 @argument("--slurm", help="sbatch options: submit the torchrun job too ('--nodes 2 ...')")
 def ddp_attach(line):

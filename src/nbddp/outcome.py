@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ from . import protocol as P
 from .errors import CellFailed, CellInterrupted, RankDied, RankFailed
 from .supervisor import CellSupervisor
 
-__all__ = ["Outcome", "RawValue", "failures_of", "load_value", "raise_for_end"]
+__all__ = ["Outcome", "RawValue", "failures_of", "load_value", "owned_files", "raise_for_end"]
 
 _NO_MARKS: frozenset[str] = frozenset()
 
@@ -37,13 +38,29 @@ def load_value(rank: int, data: bytes, files) -> tuple[object, P.ErrorInfo | Non
         payload.Shipment(b"", list(files)).remove()
 
 
+def owned_files(files, folder: str | None) -> tuple[str, ...]:
+    """The files a rank named that lie in the pool's own folder: the notebook removes
+    those once loaded, and never a path elsewhere, whatever a rank's Done says."""
+    if not folder:
+        return ()
+    return tuple(
+        f for f in files if isinstance(f, str) and os.path.dirname(os.path.abspath(f)) == folder
+    )
+
+
 class Outcome:
     """What came back from one cell's ranks: output ends, results, errors, exits."""
 
     def __init__(
-        self, cell: int, targets: list[int], marks: dict[int, set[str]], raw: bool = False
+        self,
+        cell: int,
+        targets: list[int],
+        marks: dict[int, set[str]],
+        raw: bool = False,
+        folder: str | None = None,
     ) -> None:
         self.raw = raw  # keep --out values as they came (RawValue)
+        self.folder = folder  # the pool's shared-memory folder: values' files are only there
         self.cell = cell
         self.targets = targets
         # the end markers still to come, by rank: one per open stream (none behind a
@@ -72,10 +89,11 @@ class Outcome:
         """The rank's ``--out`` value, here; a value the notebook cannot load (a class
         only the ranks can import, a CUDA tensor on a notebook without CUDA) is that
         rank's error, and the pool goes on."""
+        files = owned_files(done.files, self.folder)
         if self.raw:
-            self.values[rank] = RawValue(done.value, tuple(done.files))
+            self.values[rank] = RawValue(done.value, files)
             return True
-        value, error = load_value(rank, done.value, done.files)
+        value, error = load_value(rank, done.value, files)
         if error is not None:
             self.errors[rank] = error
             return False

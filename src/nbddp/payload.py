@@ -31,7 +31,18 @@ import tempfile
 import cloudpickle
 import torch
 
-__all__ = ["SHM_MIN_BYTES", "Refused", "Shipment", "dumps", "loads", "private_dir", "shm_dir"]
+from .private import remove_if_unheld
+
+__all__ = [
+    "SHM_MIN_BYTES",
+    "Refused",
+    "Shipment",
+    "dumps",
+    "loads",
+    "locked_dir",
+    "private_dir",
+    "shm_dir",
+]
 
 SHM_MIN_BYTES = 1 << 20
 _counter = itertools.count()
@@ -48,7 +59,12 @@ def shm_dir() -> str:
     process's pid, for people reading ``ls``.
     """
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    base = base or tempfile.gettempdir()
+    return locked_dir(base or tempfile.gettempdir())
+
+
+def locked_dir(base: str) -> str:
+    """A fresh private (0700) ``base/nbddp-PID-L...`` folder, locked while this process
+    lives; the folders of processes that died (a SIGKILLed kernel's) are removed first."""
     _release_removed()
     _sweep(base)
     # made and locked under a name the sweep never touches, then renamed: no one ever
@@ -109,7 +125,7 @@ def _sweep(base: str) -> None:
             continue
         path = os.path.join(base, name)
         if parts[2].startswith(_LOCKED):
-            _remove_if_unheld(path)
+            remove_if_unheld(path)
             continue
         try:
             os.kill(int(parts[1]), 0)
@@ -117,21 +133,6 @@ def _sweep(base: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
         except PermissionError:
             pass  # someone else's, and alive
-
-
-def _remove_if_unheld(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return  # gone, not a directory, or not ours to enter
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return  # its owner lives
-    else:
-        shutil.rmtree(path, ignore_errors=True)
-    finally:
-        os.close(fd)
 
 
 class Shipment:

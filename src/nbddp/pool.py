@@ -71,6 +71,7 @@ class Pool(PoolCalls):
         env: dict[str, str] | None = None,
         listen: tuple[str, int] | None = None,
         token: bytes | None = None,
+        tls=None,
         on_join=None,
         device: str | None = None,
         gpus: list[int] | None = None,
@@ -95,8 +96,7 @@ class Pool(PoolCalls):
         self.extra_env = dict(env or {})
         self.on_death = on_death  # "replace": a dead rank gets a new process; "restart": all
         # attached pools: ranks started elsewhere (torchrun) connect over TCP with ``token``
-        self.listen_on = listen
-        self.token = token or b""
+        self.listen_on, self.token, self.tls = listen, token or b"", tls  # tls: wire.Tls
         # new -> starting -> ready (cells run) -> lost (a death: the next cell starts anew)
         # -> starting ...; stop() -> closed
         self.state = "new"
@@ -238,7 +238,8 @@ class Pool(PoolCalls):
             self.address = os.path.join(self.procs.dir, "pool.sock")
             self.token = secrets.token_hex(32).encode()
             sock = bind_unix(self.address)
-        self.listener = Listener(sock, self.token, lambda c, h, _raw: self.hub.arrive(c, h))
+        arrive = lambda c, h, _raw: self.hub.arrive(c, h)  # noqa: E731
+        self.listener = Listener(sock, self.token, arrive, tls=self.tls)
         self.roster.refuse = self.listener.refuse_line
         self.listener.start()
         return self.address

@@ -39,7 +39,8 @@ class RankProcesses:
 
     def make_folders(self) -> None:
         if self.dir is None:
-            self.dir = tempfile.mkdtemp(prefix="nbddp-")  # mode 0700
+            # mode 0700, removed by the next nbddp process if this one is SIGKILLed
+            self.dir = payload.locked_dir(tempfile.gettempdir())
             self.shm = payload.shm_dir()  # where ranks write big values for the notebook
 
     def start(self, rank: int, address: str, env: dict[str, str]) -> int:

@@ -2,9 +2,14 @@
 
 Every message is a frozen dataclass. This module is the only place that turns
 them into bytes and back. Framing and authentication belong to
-``multiprocessing.connection`` (a length-prefixed frame after an HMAC
-challenge in both directions), so nothing here is ever unpickled from a peer
-that has not proven it holds the pool's key.
+:mod:`nbddp.wire` (a SHA-256 challenge in both directions, then frames with a
+MAC and a sequence number on TCP), so nothing here is ever decoded from a peer
+that has not proven it holds the pool's key, nor from a frame that failed its
+check. Decoding is restricted too (:func:`loads`): only this module's message
+classes and plain data (numbers, strings, bytes, tuples, lists, dicts, sets)
+come out of a control message; a pickle naming any other class or function is
+refused. The user's own objects travel inside as bytes (``Run.needs``,
+``Done.value``) and are decoded only where the user asked for them.
 
 A worker holds three connections to the notebook: ``control`` carries these
 messages; ``stdout`` and ``stderr`` carry the raw bytes of file descriptors 1
@@ -38,8 +43,12 @@ Timeline of a pool::
 
 from __future__ import annotations
 
+import builtins
+import dataclasses
+import io
 import pickle
 import re
+import sys
 from dataclasses import dataclass, field
 
 from . import events
@@ -343,8 +352,29 @@ def dumps(msg: object) -> bytes:
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def loads(data: bytes) -> object:
-    msg = pickle.loads(data)
+_PLAIN = frozenset({"set", "frozenset", "complex", "bytearray", "range", "slice"})
+
+
+class _Restricted(pickle.Unpickler):
+    """Plain data and the classes of this module and of nbddp.events, nothing else."""
+
+    def find_class(self, module: str, name: str):
+        if module == "builtins" and name in _PLAIN:
+            return getattr(builtins, name)
+        if module in (__name__, events.__name__):
+            found = getattr(sys.modules[module], name, None)
+            if isinstance(found, type) and dataclasses.is_dataclass(found):
+                return found
+        raise pickle.UnpicklingError(f"a control message may not name {module}.{name}")
+
+
+def loads_plain(data) -> object:
+    """Decode nbddp's own data (a message, a relay's frame) without running anything."""
+    return _Restricted(io.BytesIO(data)).load()
+
+
+def loads(data) -> object:
+    msg = loads_plain(data)
     if type(msg) not in _MESSAGES:
         raise TypeError(f"not a protocol message: {type(msg).__name__}")
     return msg

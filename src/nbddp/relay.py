@@ -26,7 +26,8 @@ connected has gone, or when no rank came within the start timeout. Ranks whose
 relay ends see their connection close and exit, as when the notebook goes away.
 This module imports no torch (a relay is a small process).
 
-Frames, pickled lists sent after the HMAC handshake in both directions::
+Frames, lists of plain data (decoded with :func:`nbddp.protocol.loads_plain`, which
+runs nothing), in authenticated frames (:mod:`nbddp.wire`) both ways::
 
     up    ("hello", rank, bytes)          a rank's Hello or StreamHello
           ("msg", rank, bytes)            any other control message
@@ -48,21 +49,18 @@ import queue
 import selectors
 import shutil
 import socket
-import stat
 import sys
 import tempfile
 import threading
 import time
 import traceback
-from multiprocessing.connection import (
-    AuthenticationError,
-    Client,
-    Connection,
-)
 
 from . import protocol as P
+from . import wire
 from .listener import Listener
+from .private import hold, private_folder, sweep
 from .streams import CHUNK, Stream
+from .wire import Channel
 
 __all__ = ["Relay", "socket_path", "start", "wanted"]
 
@@ -71,6 +69,7 @@ START_TIMEOUT = 120.0  # a relay no rank came to ends after this many seconds
 # ranks ending together reach the notebook in one frame (the last one is never held)
 LINGER = 0.002
 POLL = 0.0002  # meanwhile, how often to look
+RELAY_THREADS = 4  # handshakes of the host's ranks in flight at once
 
 
 def wanted(tcp: bool, env) -> bool:
@@ -96,27 +95,25 @@ def socket_path(address: str, token: bytes, env) -> str:
     return os.path.join(tempfile.gettempdir(), folder, "relay.sock")
 
 
-def _private_folder(folder: str) -> None:
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    st = os.lstat(folder)
-    if (
-        not stat.S_ISDIR(st.st_mode)
-        or st.st_uid != os.getuid()
-        or stat.S_IMODE(st.st_mode) != 0o700
-    ):
-        raise PermissionError(f"{folder} is not a private folder (0700) of this user")
-
-
-def start(path: str, notebook: tuple, token: bytes, timeout: float = START_TIMEOUT) -> int:
+def start(
+    path: str,
+    notebook: tuple,
+    token: bytes,
+    timeout: float = START_TIMEOUT,
+    tls: wire.Tls | None = None,
+) -> int:
     """Listen on ``path`` and fork the relay, detached from this process's tree.
 
-    ``notebook`` is ``(address, family)`` as :class:`multiprocessing.connection.Client`
-    takes it. The socket is bound before this returns, so the host's ranks may
-    connect at once; the relay authenticates them once it reached the notebook.
-    Returns the relay's pid.
+    ``notebook`` is ``(address, family)`` as :func:`nbddp.wire.connect` takes it
+    (``tls``: the notebook attached with --tls). The socket is bound before this
+    returns, so the host's ranks may connect at once; the relay authenticates them
+    once it reached the notebook. Returns the relay's pid.
     """
     folder = os.path.dirname(path)
-    _private_folder(folder)
+    # the folders of relays that were SIGKILLed (no live relay holds them): removed
+    sweep(os.path.dirname(folder), f"nbddp-relay-{os.getuid()}-")
+    private_folder(folder)
+    held = hold(folder)  # by the relay (forked below) for as long as it lives
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # left by a relay of an earlier run of this node
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -132,7 +129,7 @@ def start(path: str, notebook: tuple, token: bytes, timeout: float = START_TIMEO
             if os.fork() == 0:
                 os.write(write_pid, str(os.getpid()).encode())
                 os.close(write_pid)
-                code = serve(listener, notebook, token, timeout, folder)
+                code = serve(listener, notebook, token, timeout, folder, tls)
             else:
                 code = 0  # the relay is reparented: it outlives local rank 0 if it must
         except BaseException:
@@ -141,22 +138,27 @@ def start(path: str, notebook: tuple, token: bytes, timeout: float = START_TIMEO
             os._exit(code)
     os.close(write_pid)
     listener.close()
+    if held is not None:
+        os.close(held)
     os.waitpid(child, 0)
     with os.fdopen(read_pid, "rb") as f:
         return int(f.read() or 0)
 
 
 def serve(
-    listener: socket.socket, notebook: tuple, token: bytes, timeout: float, folder: str
+    listener: socket.socket,
+    notebook: tuple,
+    token: bytes,
+    timeout: float,
+    folder: str,
+    tls: wire.Tls | None = None,
 ) -> int:
     """The relay's life: reach the notebook, then carry traffic until it ends."""
     try:
         try:
-            up = _reach(notebook, token, timeout)
-            if notebook[1] == "AF_INET":  # frames go one after another: no Nagle delays
-                _no_delay(up)
+            up = wire.connect(*notebook, token, timeout=timeout, tls=tls)
             up.send_bytes(P.dumps(P.RelayHello(socket.gethostname(), os.getpid())))
-        except (OSError, EOFError, AuthenticationError) as exc:
+        except (OSError, EOFError) as exc:
             where = notebook[0] if isinstance(notebook[0], str) else "{}:{}".format(*notebook[0])
             print(f"nbddp relay: cannot reach the notebook at {where}: {exc}", file=sys.stderr)
             return 2
@@ -167,28 +169,10 @@ def serve(
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _reach(notebook: tuple, token: bytes, timeout: float) -> Connection:
-    """Connect to the notebook, retrying until it listens (the nodes may start first)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return Client(*notebook, authkey=token)
-        except (ConnectionRefusedError, FileNotFoundError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
-def _no_delay(conn: Connection) -> None:
-    s = socket.socket(fileno=os.dup(conn.fileno()))
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    s.close()
-
-
 class _Stream(Stream):
     """One rank's stdout or stderr, as the relay reads it: bytes, passed on as they are."""
 
-    def __init__(self, conn: Connection, name: str) -> None:
+    def __init__(self, conn: Channel, name: str) -> None:
         super().__init__(conn, name)
         os.set_blocking(self.fd, False)
         self.read_in = -1  # the round of the relay's loop it was last read in
@@ -198,10 +182,10 @@ class _Stream(Stream):
 class Relay:
     """Carries one host's ranks' traffic over one connection to the notebook."""
 
-    def __init__(self, up: Connection, listener: socket.socket, token: bytes) -> None:
+    def __init__(self, up: Channel, listener: socket.socket, token: bytes) -> None:
         self.up, self.listener, self.token = up, listener, token
         self.selector = selectors.DefaultSelector()
-        self.controls: dict[int, Connection] = {}
+        self.controls: dict[int, Channel] = {}
         self.streams: dict[int, dict[str, _Stream]] = {}
         self.ended: list[tuple[int, bytes]] = []  # (rank, its Done) read in this round
         self.round = 0
@@ -219,14 +203,14 @@ class Relay:
 
     # -- threads: accept (authenticate ranks), down (notebook -> ranks)
 
-    def _accepted_peer(self, conn: Connection, hello: object, raw: bytes) -> None:
+    def _accepted_peer(self, conn: Channel, hello: object, raw: bytes) -> None:
         self._accepted.put((conn, hello, raw))  # (from the listener's thread)
         self._wake()
 
     def _down_loop(self) -> None:
         while True:
             try:
-                ranks, cell, data = pickle.loads(self.up.recv_bytes())
+                ranks, cell, data = P.loads_plain(self.up.recv_bytes())
                 if data is None:  # a big message: it follows as it is
                     data = self.up.recv_bytes()
             except (EOFError, OSError):
@@ -248,10 +232,11 @@ class Relay:
     # -- the loop: ranks -> notebook
 
     def serve(self, timeout: float) -> None:
-        # its peers are this host's ranks, on a Unix socket in a 0700 folder: heard one by
-        # one (a thread per handshake made 1,024 ranks through 128 relays attach 0.3 s slower)
+        # its peers are this host's ranks, on a Unix socket in a 0700 folder: heard by a
+        # few threads, so that one slow peer does not hold up the others (a thread per
+        # handshake made 1,024 ranks through 128 relays attach 0.3 s slower)
         accepting = Listener(
-            self.listener, self.token, self._accepted_peer, name="relay", threads=0
+            self.listener, self.token, self._accepted_peer, name="relay", threads=RELAY_THREADS
         )
         accepting.start()
         threading.Thread(target=self._down_loop, name="relay-down", daemon=True).start()
@@ -305,11 +290,11 @@ class Relay:
                 continue
             self.items.append(("hello", hello.rank, data))
 
-    def _control(self, rank: int, conn: Connection) -> None:
+    def _control(self, rank: int, conn: Channel) -> None:
         if conn.closed:  # the rank went earlier in this round
             return
         try:
-            data = conn.recv_bytes()
+            data = conn.recv_bytes(ready=True)
         except (EOFError, OSError):
             self._gone(rank)
             return
@@ -355,7 +340,7 @@ class Relay:
     def _add_done(self, rank: int, data: bytes) -> None:
         if not self.dones:
             self.dones_since = time.monotonic()
-        self.dones.setdefault(data, []).append(rank)
+        self.dones.setdefault(bytes(data), []).append(rank)
 
     def _gone(self, rank: int) -> None:
         """The rank's control connection closed: its last output, its Done, then its end."""

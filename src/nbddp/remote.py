@@ -6,10 +6,10 @@ the notebook's listener with the token.
 
 from __future__ import annotations
 
-import os
 import subprocess
 
 from .errors import PoolStartError
+from .private import DEFAULT_TOKEN_FILE, write_token_file
 
 __all__ = [
     "DEFAULT_TOKEN_FILE",
@@ -20,27 +20,12 @@ __all__ = [
     "worker_command",
 ]
 
-DEFAULT_TOKEN_FILE = "~/.nbddp/token"
 
-
-def read_or_create_token(path: str = DEFAULT_TOKEN_FILE) -> bytes:
-    """The token in ``path``; a new random one (file mode 0600, folder 0700) if it is missing."""
-    import secrets
-
-    path = os.path.expanduser(path)
-    try:
-        with open(path, "rb") as f:
-            token = f.read().strip()
-        if token:
-            return token
-    except FileNotFoundError:
-        pass
-    os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-    token = secrets.token_hex(32).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(token + b"\n")
-    return token
+def read_or_create_token(path: str = DEFAULT_TOKEN_FILE, pin: str | None = None) -> bytes:
+    """The token in ``path``; a new random one (file 0600, folder 0700) if it is missing.
+    ``pin``: the certificate fingerprint of a --tls pool ("" for none) is written in too.
+    A token file others can read, or of another user, is refused (UnsafeFile)."""
+    return write_token_file(path, pin).token
 
 
 def worker_command(connect: str, token_file: str) -> str:

@@ -1,14 +1,17 @@
 """A rank's output stream as the notebook (or a host's relay) reads it: bytes from a
 socket, decoded into text pieces and the end markers a worker writes after each cell.
+
+On a Unix socket the bytes come as the rank wrote them; on TCP they come in
+authenticated frames (:mod:`nbddp.wire`), which this reads one by one.
 """
 
 from __future__ import annotations
 
 import codecs
 import os
-from multiprocessing.connection import Connection
 
 from . import protocol as P
+from .wire import Channel
 
 __all__ = ["CHUNK", "Stream"]
 
@@ -22,9 +25,10 @@ class Stream:
     rank writes no end markers; its Done comes after all it wrote).
     """
 
-    def __init__(self, conn: Connection | None, name: str) -> None:
+    def __init__(self, conn: Channel | None, name: str) -> None:
         self.conn = conn
         self.fd = None if conn is None else conn.fileno()
+        self.framed = conn is not None and conn.mode != "plain"
         self.name = name
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._held = ""
@@ -32,12 +36,32 @@ class Stream:
 
     def read_bytes(self) -> bytes | None:
         """What one read gives (at most CHUNK bytes; b"": the end); None: nothing yet."""
+        if self.framed:
+            return self._read_frames()
         try:
             return os.read(self.fd, CHUNK)
         except BlockingIOError:
             return None
         except OSError:
             return b""
+
+    def _read_frames(self) -> bytes | None:
+        """The frames that came (a frame that fails its check ends the stream)."""
+        if self.conn.closed:
+            return b""
+        if not self.conn.poll(0):
+            return None
+        parts = []
+        try:
+            while len(parts) < 16:
+                parts.append(self.conn.recv_bytes(ready=True))
+                if not self.conn.poll(0):
+                    break
+        except (EOFError, OSError):
+            self.conn.close()
+            if not parts:
+                return b""
+        return b"".join(parts)
 
     def read(self) -> list[str | int]:
         data = self.read_bytes()

@@ -31,15 +31,14 @@ import socket
 import sys
 import threading
 import traceback
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection
 
 import psutil
 import torch
 
-from . import debugger, relay, rich, worker_shims
+from . import debugger, relay, rich, wire, worker_shims
 from . import protocol as P
 from .ddp import threads_for
+from .private import UnsafeFile, read_token_file
 from .worker_cell import CellInterrupts, CellRunner
 from .worker_code import adopt, error_info, run_code
 from .worker_control import Control, connect, connect_streams, flush_streams, parse_address
@@ -53,10 +52,15 @@ class Worker:
     """A rank's life: handshake, process group, then cells until told to stop."""
 
     def __init__(
-        self, control: Connection, address: str, token: bytes, relayed: bool = False
+        self,
+        control: wire.Channel,
+        address: str,
+        token: bytes,
+        relayed: bool = False,
+        tls: wire.Tls | None = None,
     ) -> None:
         env = os.environ
-        self.address, self.token = address, token
+        self.address, self.token, self.tls = address, token, tls
         self.rank = int(env.get("RANK", 0))
         self.world_size = int(env.get("WORLD_SIZE", 1))
         self.local_rank = int(env.get("LOCAL_RANK", self.rank))
@@ -105,7 +109,7 @@ class Worker:
         self._hello()
         self.control.handle(self._handlers())
         self.control.start()
-        connect_streams(self.address, self.token, self.rank)
+        connect_streams(self.address, self.token, self.rank, self.tls)
         faulthandler.enable()  # a crash prints the Python stack to the notebook before dying
 
     def _handlers(self) -> dict:
@@ -178,21 +182,23 @@ class Worker:
 # ---------------------------------------------------------------- entry point
 
 
-def _read_token(path: str | None) -> bytes:
+def _read_token(path: str | None) -> tuple[bytes, wire.Tls | None]:
+    """The token, and TLS pinned to the notebook's certificate when the file names one."""
     if path:
         try:
-            with open(os.path.expanduser(path), "rb") as f:
-                token = f.read().strip()
+            held = read_token_file(path)
+        except UnsafeFile as exc:
+            raise SystemExit(f"nbddp.worker: {exc}") from None
         except OSError as exc:
             msg = f"nbddp.worker: cannot read the token file {path}: {exc.strerror}"
             raise SystemExit(msg) from None
-        if not token:
+        if not held.token:
             raise SystemExit(f"nbddp.worker: the token file {path} is empty")
-        return token
+        return held.token, wire.Tls(pin=held.pin) if held.pin else None
     token = os.environ.pop("NBDDP_TOKEN", "")
     if not token:
         raise SystemExit("nbddp.worker: no token: pass --token-file or set NBDDP_TOKEN")
-    return token.encode()
+    return token.encode(), None
 
 
 def _extend_sys_path() -> None:
@@ -202,11 +208,11 @@ def _extend_sys_path() -> None:
             sys.path.insert(1, path)
 
 
-def _through_relay(address: str, token: bytes) -> str:
+def _through_relay(address: str, token: bytes, tls: wire.Tls | None) -> str:
     """The address of this host's relay; local rank 0 starts it (see nbddp.relay)."""
     path = relay.socket_path(address, token, os.environ)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        relay.start(path, parse_address(address), token)
+        relay.start(path, parse_address(address), token, tls=tls)
     return path
 
 
@@ -224,19 +230,19 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     sys.argv = [sys.argv[0]]  # a cell calling a script's main() parses no worker options
     _extend_sys_path()
-    token = _read_token(args.token_file)
+    token, tls = _read_token(args.token_file)
     address = args.connect
     where = f"the notebook at {args.connect}"
     if relay.wanted(parse_address(address)[1] == "AF_INET", os.environ):
         where = f"this host's relay to {args.connect}"
         try:
-            address = _through_relay(address, token)
+            address = _through_relay(address, token, tls)
         except OSError as exc:
             print(f"nbddp.worker: cannot start {where}: {exc}", file=sys.stderr)
             return 2
     try:
-        control = connect(address, token, args.connect_timeout)
-    except AuthenticationError:
+        control = connect(address, token, args.connect_timeout, tls)
+    except wire.Refused:
         print(
             f"nbddp.worker: {where} refused this worker's token (is --token-file the notebook's?)",
             file=sys.stderr,
@@ -245,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, EOFError) as exc:
         print(f"nbddp.worker: cannot reach {where}: {exc}", file=sys.stderr)
         return 2
-    return Worker(control, address, token, relayed=address != args.connect).serve()
+    relayed = address != args.connect
+    return Worker(control, address, token, relayed, None if relayed else tls).serve()
 
 
 if __name__ == "__main__":

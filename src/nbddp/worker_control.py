@@ -15,12 +15,12 @@ import os
 import queue
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Client, Connection
 
 from . import protocol as P
+from . import wire
+from .wire import Channel
 
 __all__ = ["Control", "connect", "connect_streams", "flush_streams", "parse_address"]
 
@@ -38,23 +38,20 @@ def parse_address(address: str) -> tuple[str | tuple[str, int], str]:
     return (host or "127.0.0.1", int(port)), "AF_INET"
 
 
-def connect(address: str, token: bytes, timeout: float = 60.0) -> Connection:
-    """Connect and authenticate, retrying until the listener is up or ``timeout`` passes."""
+def connect(
+    address: str, token: bytes, timeout: float = 60.0, tls: wire.Tls | None = None
+) -> Channel:
+    """Connect and authenticate, retrying until the listener is up or ``timeout`` passes
+    (``tls``: for a TCP address of a pool attached with --tls)."""
     addr, family = parse_address(address)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return Client(addr, family, authkey=token)
-        except (ConnectionRefusedError, FileNotFoundError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    tls = tls if family == "AF_INET" else None
+    return wire.connect(addr, family, token, timeout=timeout, tls=tls)
 
 
 class Control:
     """The control connection: :meth:`send` from any thread, handlers on the receiver's."""
 
-    def __init__(self, conn: Connection, exit: Callable[[int], None]) -> None:
+    def __init__(self, conn: Channel, exit: Callable[[int], None]) -> None:
         self.conn = conn
         self.inbox: queue.Queue = queue.Queue()  # messages for the main thread
         self._exit = exit  # ends the process (the notebook went away)
@@ -115,16 +112,43 @@ class _LineWriter(io.TextIOWrapper):
         return self._name
 
 
-def connect_streams(address: str, token: bytes, rank: int) -> None:
-    """Make fds 1 and 2 connections to the notebook: C and C++ output reaches it too."""
+def connect_streams(address: str, token: bytes, rank: int, tls: wire.Tls | None = None) -> None:
+    """Make fds 1 and 2 connections to the notebook: C and C++ output reaches it too.
+
+    On a Unix socket the fd is the socket itself: bytes go as they are written. On TCP
+    every byte must travel in an authenticated frame, so the fd is a pipe and a thread
+    sends what comes out of it, in frames (:func:`_pump`).
+    """
     for fd, stream in ((1, "stdout"), (2, "stderr")):
-        conn = connect(address, token, timeout=10)
+        conn = connect(address, token, timeout=10, tls=tls)
         conn.send_bytes(P.dumps(P.StreamHello(rank, os.getpid(), stream)))
         sys.stdout.flush() if fd == 1 else sys.stderr.flush()
-        os.dup2(conn.fileno(), fd)
-        conn.close()
+        if conn.mode == "plain":
+            os.set_blocking(conn.fileno(), True)  # a print waits for the reader, as on a pipe
+            os.dup2(conn.fileno(), fd)
+            conn.close()
+            continue
+        read_end, write_end = os.pipe()
+        os.dup2(write_end, fd)
+        os.close(write_end)
+        pump = threading.Thread(target=_pump, args=(read_end, conn), name=f"nbddp-{stream}")
+        pump.daemon = True
+        pump.start()
     sys.stdout = _LineWriter(1, "<stdout>")
     sys.stderr = _LineWriter(2, "<stderr>")
+
+
+def _pump(fd: int, conn: Channel) -> None:
+    """What a rank writes to one of its output pipes, in frames to the notebook."""
+    while True:
+        try:
+            data = os.read(fd, 1 << 16)
+            if not data:
+                break
+            conn.send_bytes(data)
+        except OSError:
+            break
+    conn.close()
 
 
 def flush_streams() -> None:

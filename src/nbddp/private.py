@@ -1,0 +1,207 @@
+"""Files only this user may read: the token file, a pool's own files, --log-dir.
+
+One implementation of each rule, the way ssh treats its keys:
+
+- a private file is created with ``O_EXCL | O_NOFOLLOW`` and mode 0600 (a file
+  that is replaced is written beside it and renamed over it, never rewritten
+  through a link someone planted);
+- a private file is read only when it is a regular file of this user that
+  nobody else can read, opened without following a symlink; anything else is
+  refused in one line that says what is wrong and how to fix it;
+- a folder is made with mode 0700; a folder that exists is used as it is,
+  never loosened (nor tightened behind the user's back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+import shutil
+import stat
+
+__all__ = [
+    "DEFAULT_TOKEN_FILE",
+    "TokenFile",
+    "UnsafeFile",
+    "append_private",
+    "hold",
+    "make_folder",
+    "private_folder",
+    "read_private",
+    "read_token_file",
+    "remove_if_unheld",
+    "sweep",
+    "write_private",
+    "write_token_file",
+]
+
+DEFAULT_TOKEN_FILE = "~/.nbddp/token"
+_PIN = "tls-sha256"  # the token file's line that pins the notebook's TLS certificate
+
+
+class UnsafeFile(PermissionError):
+    """A file or folder nbddp will not trust: the message says why, in one line."""
+
+
+def make_folder(path: str) -> str:
+    """``path`` and its missing parents, made with mode 0700 (existing ones left as they are)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def private_folder(path: str) -> str:
+    """Make ``path`` (0700) if missing; refuse it unless it is a folder of this user that
+    nobody else can enter."""
+    make_folder(path)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise UnsafeFile(
+            f"{path} is not a private folder of this user (owner uid {st.st_uid}, "
+            f"mode {stat.filemode(st.st_mode)}): nbddp keeps nothing there"
+        )
+    return path
+
+
+def write_private(path: str, data: bytes) -> None:
+    """Write ``data`` to a new 0600 file at ``path`` (replacing a file there by a rename)."""
+    folder = os.path.dirname(path) or "."
+    temp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(6)}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+
+
+def append_private(path: str):
+    """A text file opened for appending: made 0600 if new; never through a symlink."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    return os.fdopen(fd, "a", encoding="utf-8", buffering=1)
+
+
+def read_private(path: str, what: str = "file", limit: int = 1 << 16) -> bytes:
+    """The bytes of ``path`` (at most ``limit``), if only this user can read it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == 40:  # ELOOP: the last part is a symlink
+            raise UnsafeFile(f"refusing the {what} {path}: it is a symlink") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFile(f"refusing the {what} {path}: not a regular file")
+        if st.st_uid != os.getuid():
+            raise UnsafeFile(
+                f"refusing the {what} {path}: it belongs to uid {st.st_uid}, not to this "
+                f"user (uid {os.getuid()})"
+            )
+        if st.st_mode & 0o077:
+            raise UnsafeFile(
+                f"refusing the {what} {path}: others can read it (mode "
+                f"{stat.filemode(st.st_mode)}); chmod 600 {path}"
+            )
+        return f.read(limit)
+
+
+class TokenFile:
+    """What a token file holds: the token, and the pinned certificate of a --tls pool."""
+
+    def __init__(self, token: bytes, pin: str = "") -> None:
+        self.token, self.pin = token, pin
+
+
+def read_token_file(path: str) -> TokenFile:
+    """The token file at ``path``: refused in one line unless only this user can read it."""
+    lines = read_private(os.path.expanduser(path), "token file").decode(errors="replace")
+    token, *rest = lines.splitlines() or [""]
+    pin = ""
+    for line in rest:
+        key, _, value = line.partition(" ")
+        if key == _PIN:
+            pin = value.strip()
+    return TokenFile(token.strip().encode(), pin)
+
+
+def write_token_file(path: str, pin: str | None = None) -> TokenFile:
+    """Read the token file at ``path``, or make one with a new random token.
+
+    ``pin``: write this certificate fingerprint into it ("" removes the pin; None leaves
+    the file as it is). The folder is made 0700 if missing.
+    """
+    path = os.path.expanduser(path)
+    make_folder(os.path.dirname(path) or ".")
+    try:
+        current = read_token_file(path)
+    except FileNotFoundError:
+        current = TokenFile(b"")
+    if not current.token:
+        current = TokenFile(secrets.token_hex(32).encode(), "")
+    elif pin is None or pin == current.pin:
+        return current
+    current.pin = current.pin if pin is None else pin
+    body = current.token + b"\n" + (f"{_PIN} {current.pin}\n".encode() if current.pin else b"")
+    write_private(path, body)
+    return current
+
+
+# ---------------------------------------------------------------- folders that die with a process
+
+
+def hold(folder: str) -> int | None:
+    """Lock ``folder`` (flock) for as long as this process (or a child it forks) lives:
+    :func:`remove_if_unheld` leaves it alone meanwhile. The lock's fd; None if held."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def remove_if_unheld(path: str) -> bool:
+    """Remove the folder ``path`` if no live process holds it (:func:`hold`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return False  # gone, not a directory, or not ours to enter
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # its owner lives
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)
+
+
+def sweep(base: str, prefix: str, older_than: float = 60.0) -> None:
+    """Remove this user's folders ``base/prefix*`` that no live process holds and that
+    are older than ``older_than`` s (one being made now is not held yet)."""
+    import time
+
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        path = os.path.join(base, name)
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if (
+                st.st_uid == os.getuid()
+                and stat.S_ISDIR(st.st_mode)
+                and now - st.st_mtime > older_than
+            ):
+                remove_if_unheld(path)

@@ -1,0 +1,53 @@
+"""``%ddp attach --tls``: a self-signed certificate for one pool, pinned by its fingerprint.
+
+The notebook makes a new key and certificate for each pool that attaches with
+--tls (an ECDSA P-256 key, valid for 30 days, made with ``cryptography``); the
+key never leaves the notebook's memory but for the moment :mod:`ssl` loads it.
+The certificate's SHA-256 goes into the token file, and ranks and relays accept
+only the notebook that shows that certificate: there is no CA to trust and no
+host name to check, so it works the same on any cluster network.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+
+from .wire import Tls
+
+__all__ = ["make_server_tls", "pinned_client_tls"]
+
+
+def make_server_tls() -> tuple[Tls, str]:
+    """A new certificate and key: the server's side of TLS, and the fingerprint to pin."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "nbddp notebook")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .sign(key, hashes.SHA256())
+    )
+    der = cert.public_bytes(serialization.Encoding.DER)
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return Tls(cert=cert_pem, key=key_pem), hashlib.sha256(der).hexdigest()
+
+
+def pinned_client_tls(pin: str) -> Tls | None:
+    """The client's side of TLS for a token file's pin (None: the pool does not use TLS)."""
+    return Tls(pin=pin) if pin else None
