@@ -13,7 +13,15 @@ ratio after/before:
 - ``bench_scale.py``: 1,024 simulated ranks behind relays (attach, round trip,
   notebook CPU per cell);
 - ``bench_failures.py``: the fault matrix at 2, 4 and 8 ranks (seconds from the
-  failure to the cell's error, and to the next cell's result).
+  failure to the cell's error, and to the next cell's result);
+- ``bench_wire.py`` (this checkout's script, run against each version's sources:
+  it uses only the public API): round trip and a 512 MB ``--need`` at 4 attached
+  ranks over TCP, direct and through a relay;
+- ``bench_progress.py`` (this checkout's script too): the notebook's CPU for a
+  progress bar of 20,000 and 100,000 updates, one per output batch.
+
+``--before 7a9d581 --benches wire,scale,progress`` compares with nbddp before
+frames were authenticated (issue 26).
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ BENCHES = {
         "--plot",
         "",
     ],
+    "wire": ["bench_wire.py", "--ranks", "4", "--reps", "300", "--need-tries", "3"],
+    "progress": ["bench_progress.py", "--updates", "20000", "100000"],
     "failures": [
         "bench_failures.py",
         "--ranks",
@@ -58,8 +68,20 @@ BENCHES = {
 }
 
 
+OWN_SCRIPT = {"wire", "progress"}  # run this checkout's script on each version's sources
+
+
 def figures(bench: str, data: dict) -> dict[str, float]:
     """The figures compared, by name, from one run's JSON."""
+    if bench == "wire":
+        return {
+            f"{n} attached {topo} tcp {k}": data[topo]["tcp"][k]
+            for topo in ("direct", "relay")
+            for k in ("round_trip_ms", "need_s")
+            for n in [data["ranks"]]
+        }
+    if bench == "progress":
+        return {f"progress {n} updates cpu_s": row["cpu_s"] for n, row in data["updates"].items()}
     if bench == "core":
         keys = ("nbddp_pool_execute_ms", "nbddp_magic_ms", "cold_start_s", "restart_ms")
         return {f"core {k}": data[k] for k in keys}
@@ -81,7 +103,13 @@ def run(tree: Path, bench: str, workdir: Path) -> dict[str, float]:
     out = workdir / f"{bench}.json"
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
     subprocess.run(
-        [sys.executable, str(tree / "benchmarks" / script), *args, "--json", str(out)],
+        [
+            sys.executable,
+            str((ROOT if bench in OWN_SCRIPT else tree) / "benchmarks" / script),
+            *args,
+            "--json",
+            str(out),
+        ],
         cwd=tree,
         env=env,
         check=True,

@@ -16,7 +16,8 @@ CORE = {
     "pool", "hub", "listener", "roster", "processes", "cell", "recovery", "outcome",
     "queries", "layout", "logs", "drive", "sigint", "supervisor", "launch", "payload",
     "capture", "protocol", "events", "errors", "stacks", "streams", "sizes", "store",
-    "copying", "detached", "detached_client", "detached_wire", "pool_calls",
+    "copying", "detached", "detached_client", "detached_wire", "pool_calls", "wire",
+    "private", "tls",
 }  # fmt: skip
 FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",
@@ -29,9 +30,11 @@ WORKER = {
     "worker_copy",
 }  # fmt: skip
 # shared by the notebook, the worker and the relay: the wire, errors as data, stacks, the
-# listener (the relay's is the notebook's), streams, shipped data, the launcher
+# listener (the relay's is the notebook's), streams, shipped data, the launcher, the
+# authenticated connections and private files
 SHARED = {
     "protocol", "events", "errors", "stacks", "payload", "launch", "listener", "streams", "store",
+    "wire", "private",
 }  # fmt: skip
 NOTEBOOK_SIDE = CORE - SHARED
 FRONT_END_LIBRARIES = ("IPython", "ipykernel", "ipywidgets", "anywidget")

@@ -1,7 +1,9 @@
 """The hub alone (nbddp.hub): connections in, typed items out, no worker processes.
 
-A rank is played by hand: its control connection is one end of a ``Pipe``, its
-streams are socket pairs whose far end the test writes raw bytes into, and the
+A rank is played by hand: its control connection is one end of a pair of
+``nbddp.wire`` channels (a socket pair that made the handshake: "plain" mode, as a
+rank on a Unix socket; a loopback TCP pair where a test needs TCP's "mac" frames),
+its streams are such pairs whose far end the test writes raw bytes into, and the
 rank table is a dict of small fakes with ``state``, ``link`` and ``send_bytes``.
 """
 
@@ -12,12 +14,11 @@ import pickle
 import socket
 import threading
 from dataclasses import dataclass, field
-from multiprocessing import Pipe
-from multiprocessing.connection import Connection
 
 import pytest
 
 from nbddp import protocol as P
+from nbddp import wire
 from nbddp.hub import (
     INLINE,
     Closed,
@@ -31,6 +32,50 @@ from nbddp.hub import (
     Text,
 )
 from nbddp.streams import Stream
+
+TOKEN = b"the-pools-token"
+
+
+def handshake(server: socket.socket, client: socket.socket) -> tuple[wire.Channel, wire.Channel]:
+    """The two ends of a connection that made nbddp's handshake: (server's, client's)."""
+    made: dict = {}
+
+    def serve() -> None:
+        try:
+            made["server"] = wire.server_handshake(server, TOKEN, 10)
+        except BaseException as exc:  # said by the assert below
+            made["error"] = exc
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        theirs = wire.client_handshake(client, TOKEN, 10)
+    finally:
+        t.join()
+    assert "error" not in made, made
+    return made["server"], theirs
+
+
+def plain_pair() -> tuple[wire.Channel, wire.Channel]:
+    """A Unix socket pair: frames without MACs, as a rank's on the notebook's machine."""
+    return handshake(*socket.socketpair())
+
+
+def tcp_pair() -> tuple[wire.Channel, wire.Channel]:
+    """A loopback TCP pair: MAC'd, numbered frames, as an attached rank's."""
+    with socket.create_server(("127.0.0.1", 0)) as lis:
+        client = socket.create_connection(lis.getsockname())
+        server, _ = lis.accept()
+    ours, theirs = handshake(server, client)
+    assert (ours.mode, theirs.mode) == ("mac", "mac")
+    return ours, theirs
+
+
+def raw_writer(ch: wire.Channel) -> socket.socket:
+    """The socket under a channel, blocking: a rank's stream on a Unix socket carries raw
+    bytes after its StreamHello (the worker makes the socket its fd 1 or 2)."""
+    ch.sock.setblocking(True)
+    return ch.sock
 
 
 @dataclass
@@ -52,16 +97,17 @@ class Bench:
         self.hub = Hub({}, lambda *a: self.hellos.append(a), list)
         self._close: list = []
 
-    def direct(self, rank: int, state: str = "idle"):
-        """A rank connected directly: (its record, its control end, its stream ends)."""
-        ours, theirs = Pipe()
+    def direct(self, rank: int, state: str = "idle", pair=plain_pair):
+        """A rank connected directly: (its record, its control end, its stream ends). The
+        stream ends are raw sockets on Unix-socket (plain) pairs, channels on TCP pairs."""
+        ours, theirs = pair()
         link = Link(conn=ours)
         writers = {}
         for name in ("stdout", "stderr"):
-            a, b = socket.socketpair()
-            stream = link.streams[name] = Stream(Connection(a.detach()), name)
+            a, b = pair()
+            stream = link.streams[name] = Stream(a, name)
             self.hub.watch(stream.fd, (rank, stream))
-            writers[name] = b
+            writers[name] = raw_writer(b) if b.mode == "plain" else b
             self._close += [stream.conn, b]
         self.hub.watch(ours.fileno(), (rank, None))
         self._close += [ours, theirs]
@@ -70,7 +116,7 @@ class Bench:
 
     def relay(self, ranks: dict[int, str]):
         """A relay with ``ranks`` (rank -> state) behind it: (the link, the relay's end)."""
-        ours, theirs = Pipe()
+        ours, theirs = plain_pair()
         relay = RelayLink(ours, P.RelayHello("hostb", 77))
         self.hub.add_relay(relay)
         for rank, state in ranks.items():
@@ -196,7 +242,7 @@ def test_wake_ends_a_pump_without_timeout_from_another_thread(bench):
 
 
 def test_an_arrived_connection_is_attached_in_the_pumps_thread(bench):
-    ours, theirs = Pipe()
+    ours, theirs = plain_pair()
     hello = P.StreamHello(0, 1, "stdout")
     seen = []
     bench.hub.on_hello = lambda *a: seen.append((threading.current_thread(), a))

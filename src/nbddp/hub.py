@@ -136,6 +136,7 @@ class Hub:
         self.log: Callable[[int, str, str], None] | None = None  # every text read, as read
         self.before_wait: Callable[[], None] | None = None  # called before pump may block
         self.relays: list[RelayLink] = []
+        self.closed: list[str] = []  # connections closed for what they sent, in words
         self.arrived: queue.SimpleQueue = queue.SimpleQueue()  # (conn, hello), authenticated
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -231,6 +232,11 @@ class Hub:
             items += [Gone(rank) for rank in self.exits() if rank not in gone]
         return items
 
+    def _closed(self, rank: int, why: str) -> Gone:
+        """The rank's connection was closed for what came on it: said with the next cell."""
+        self.closed.append(f"rank {rank}'s connection was closed: {why}")
+        return Gone(rank, why)
+
     def live(self, rank: int) -> bool:
         r = self.ranks.get(rank)
         return r is not None and r.state != "dead"
@@ -248,12 +254,12 @@ class Hub:
                 while conn.pending():  # TLS: frames already read and decrypted
                     items.append(Msg(rank, P.loads(conn.recv_bytes(ready=True))))
             except FrameError as exc:
-                return [*items, Gone(rank, f"its connection failed a check: {exc}")]
+                return [*items, self._closed(rank, f"a frame failed its check: {exc}")]
             except (EOFError, OSError):
                 return [*items, Gone(rank)]
             except Exception as exc:  # a message this side cannot decode
                 conn.close()
-                return [*items, Gone(rank, f"it sent what is not a message ({exc})")]
+                return [*items, self._closed(rank, f"it sent what is not a message ({exc})")]
             return items
         items = self._stream_items(rank, s, s.read())
         if s.eof:
@@ -272,10 +278,13 @@ class Hub:
                     return items
         except Exception as exc:  # the relay ended, or must
             if not isinstance(exc, (EOFError, OSError)) or isinstance(exc, FrameError):
-                why = f"the connection of its host's relay failed a check: {exc}"
+                why = f"what it sent failed a check: {exc}"
         self.unwatch_conn(relay.conn)  # its ranks' connections ended with it
         relay.conn.close()
-        return items + [Gone(rank, why) for rank in sorted(relay.ranks) if self.live(rank)]
+        ranks = [rank for rank in sorted(relay.ranks) if self.live(rank)]
+        if why:
+            self.closed.append(f"the connection of host {relay.host}'s relay was closed: {why}")
+        return items + [Gone(rank, why) for rank in ranks]
 
     def _relayed_out(self, _relay: RelayLink, item: tuple) -> list[Item]:
         rank = item[1]

@@ -285,8 +285,8 @@ class Pool(PoolCalls):
     # ------------------------------------------------------------ cells
 
     def take_notes(self) -> list[str]:
-        """Notes and refusals for the next cell, said once."""
-        notes, self.notes = self.notes, []
+        """Notes, connections closed for a bad frame, and refusals for the next cell, once."""
+        notes, self.notes, self.hub.closed = self.notes + self.hub.closed, [], []
         return notes + (self.listener.refusals(take=True) if self.listener else [])
 
     def send(self, ranks, msg: object) -> None:

@@ -81,7 +81,8 @@ class Stream:
         """Everything already written, without waiting (used when the writer died)."""
         if self.fd is None:  # a relay sent all there was before the rank's end
             return [] if self.eof else self.feed(b"")
-        os.set_blocking(self.fd, False)
+        if not self.framed:  # (a channel's socket is not blocking already)
+            os.set_blocking(self.fd, False)
         pieces: list[str | int] = []
         while not self.eof:
             got = self.read()
