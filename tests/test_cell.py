@@ -82,6 +82,7 @@ class FakePool:
         self.last_stacks: dict = {}
         self.mesh = self.groups = None
         self.on_death, self.attached = "restart", False  # (replacing: test_replace.py)
+        self.shm_folder = None
         self.procs = FakeProcs()
         self.sent: list = []
         self.lose_calls = 0
@@ -308,6 +309,7 @@ class OnlyOnTheRanks:
 
 def test_a_value_the_notebook_cannot_load_is_that_ranks_error(tmp_path):
     pool = FakePool(2)
+    pool.shm_folder = str(tmp_path)  # the pool's own folder: a value's files are there
     shm = tmp_path / "storage-0"
     shm.write_bytes(b"a tensor's bytes")
     bad = ok(value=payload.dumps(OnlyOnTheRanks()).data, value_repr="<obj>", files=(str(shm),))

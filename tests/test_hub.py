@@ -9,6 +9,8 @@ rank table is a dict of small fakes with ``state``, ``link`` and ``send_bytes``.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import pickle
 import socket
@@ -69,6 +71,16 @@ def tcp_pair() -> tuple[wire.Channel, wire.Channel]:
     ours, theirs = handshake(server, client)
     assert (ours.mode, theirs.mode) == ("mac", "mac")
     return ours, theirs
+
+
+def mac_frame(ch: wire.Channel, seq: int, data: bytes) -> bytes:
+    """The bytes of a frame numbered ``seq`` as ``ch`` (a "mac" channel) would send it: to
+    replay one, or send one out of order."""
+    header = wire.HEADER.pack(seq, len(data))
+    tag = hmac.new(ch._out_key, header, hashlib.sha256)
+    head = header + tag.digest()[: wire.HEADER_TAG]
+    tag.update(data)
+    return head + data + tag.digest()
 
 
 def raw_writer(ch: wire.Channel) -> socket.socket:
@@ -200,6 +212,32 @@ def test_a_stream_that_closes_gives_closed_once_and_what_it_held(bench):
     assert bench.hub.ranks[0].link.open_streams() == {"stderr"}
 
 
+def test_a_tcp_stream_comes_in_frames_markers_and_utf8_split_over_them(bench):
+    _, _, w = bench.direct(0, pair=tcp_pair)
+    marker = P.end_marker(3)
+    e = "é".encode()
+    w["stdout"].send_bytes(b"hello " + marker[:6])
+    assert pump(bench.hub) == [Text(0, "stdout", "hello ")]
+    w["stdout"].send_bytes(marker[6:] + b"a" + e[:1])
+    assert pump(bench.hub) == [Mark(0, "stdout", 3), Text(0, "stdout", "a")]
+    w["stdout"].send_bytes(e[1:])
+    assert pump(bench.hub) == [Text(0, "stdout", "é")]
+    w["stdout"].close()
+    assert pump(bench.hub) == [Closed(0, "stdout")]
+
+
+def test_a_tcp_stream_whose_frame_fails_its_check_ends_unread(bench):
+    _, _, w = bench.direct(0, pair=tcp_pair)
+    w["stdout"].send_bytes(b"before ")
+    assert pump(bench.hub) == [Text(0, "stdout", "before ")]
+    forged = b"injected on the way"
+    w["stdout"].sock.sendall(
+        wire.HEADER.pack(1, len(forged)) + bytes(wire.HEADER_TAG) + forged + bytes(wire.TAG)
+    )
+    assert pump(bench.hub) == [Closed(0, "stdout")]  # and none of it as text
+    assert bench.hub.ranks[0].link.streams["stdout"].conn.closed
+
+
 # ---------------------------------------------------------------- control
 
 
@@ -213,6 +251,67 @@ def test_a_closed_control_connection_is_gone(bench):
     _, control, _ = bench.direct(1)
     control.close()
     assert pump(bench.hub) == [Gone(1)]
+
+
+def test_a_tcp_control_message_is_a_msg(bench):
+    _, control, _ = bench.direct(2, pair=tcp_pair)
+    control.send_bytes(P.dumps(P.Progress(3, 10, "epochs")))
+    control.send_bytes(P.dumps(P.Progress(4, 10, "epochs")))
+    items = pump(bench.hub)
+    if len(items) == 1:  # (the second frame came after the first read)
+        items += pump(bench.hub)
+    assert items == [Msg(2, P.Progress(3, 10, "epochs")), Msg(2, P.Progress(4, 10, "epochs"))]
+
+
+def _gone_and_said(bench, rank: int) -> str:
+    """The one item of the next pump: the rank's Gone, with the reason also in
+    ``hub.closed``; its connection closed. Returns the reason."""
+    (gone,) = pump(bench.hub)
+    assert type(gone) is Gone
+    assert gone.rank == rank
+    assert bench.hub.closed == [f"rank {rank}'s connection was closed: {gone.why}"]
+    assert bench.hub.ranks[rank].link.conn.closed
+    return gone.why
+
+
+def test_an_injected_frame_on_a_tcp_control_connection_closes_it_and_says_why(bench):
+    _, control, _ = bench.direct(1, pair=tcp_pair)
+    control.send_bytes(P.dumps(P.Progress(1, 2)))
+    assert pump(bench.hub) == [Msg(1, P.Progress(1, 2))]
+    # the next frame's number, but a MAC made without the key
+    forged = P.dumps(P.Progress(2, 2))
+    control.sock.sendall(
+        wire.HEADER.pack(1, len(forged)) + bytes(wire.HEADER_TAG) + forged + bytes(wire.TAG)
+    )
+    why = _gone_and_said(bench, 1)
+    assert why == (
+        "a frame failed its check: a frame failed its MAC check (changed or injected on the way)"
+    )
+
+
+def test_a_replayed_frame_on_a_tcp_control_connection_closes_it_and_says_why(bench):
+    _, control, _ = bench.direct(1, pair=tcp_pair)
+    first = mac_frame(control, 0, P.dumps(P.Progress(1, 2)))
+    control.sock.sendall(first)
+    assert pump(bench.hub) == [Msg(1, P.Progress(1, 2))]
+    control.sock.sendall(first)  # recorded on the way and sent again: a valid MAC
+    why = _gone_and_said(bench, 1)
+    assert "a frame came out of order (number 0, expected 1" in why
+
+
+def test_a_control_message_naming_another_class_is_not_run_and_closes_it(bench, tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.mkdir, (str(tmp_path / "ran"),))
+
+    _, control, _ = bench.direct(0)
+    control.send_bytes(pickle.dumps(Evil()))
+    why = _gone_and_said(bench, 0)
+    assert why == (
+        "it sent what is not a message "
+        f"(a control message may not name {os.mkdir.__module__}.mkdir)"
+    )
+    assert not (tmp_path / "ran").exists()
 
 
 def test_a_dead_ranks_connections_are_unwatched_and_give_nothing(bench):
@@ -345,6 +444,45 @@ def test_a_closed_relay_is_gone_for_each_live_rank_behind_it(bench):
     assert pump(bench.hub) == [Gone(1), Gone(2)]
     assert relay.conn.closed
     assert bench.hub.pump(0) == []  # unwatched: said once
+
+
+class _Evil:
+    """Unpickled, it would make a folder: a relay's frame must never run it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+@pytest.mark.parametrize("where", ["frame", "done"])
+def test_a_relay_frame_naming_another_class_is_not_run_and_closes_the_relay(bench, tmp_path, where):
+    relay, far = bench.relay({1: "running", 2: "dead"})
+    evil = _Evil(str(tmp_path / "ran"))
+    if where == "frame":  # the frame itself
+        far.send_bytes(pickle.dumps([("out", 1, "stdout", b"x"), evil]))
+    else:  # a message inside a well-formed frame
+        far.send_bytes(frame(("done", (1,), pickle.dumps(evil))))
+    why = f"what it sent failed a check: a control message may not name {os.mkdir.__module__}.mkdir"
+    assert pump(bench.hub) == [Gone(1, why)]
+    assert bench.hub.closed == [f"the connection of host hostb's relay was closed: {why}"]
+    assert relay.conn.closed
+    assert not (tmp_path / "ran").exists()
+    assert bench.hub.pump(0) == []  # unwatched: said once
+
+
+def test_a_relay_frame_over_the_limit_closes_the_relay_before_it_is_read(bench, monkeypatch):
+    monkeypatch.setattr(wire, "MAX_FRAME", 1 << 20)
+    relay, far = bench.relay({1: "running"})
+    far.sock.sendall(wire.HEADER.pack(0, 1 << 30))  # a gigabyte claimed, nothing sent
+    why = (
+        f"what it sent failed a check: a frame of {1 << 30:,} bytes is over the limit "
+        f"of {1 << 20:,}"
+    )
+    assert pump(bench.hub) == [Gone(1, why)]
+    assert bench.hub.closed == [f"the connection of host hostb's relay was closed: {why}"]
+    assert relay.conn.closed
 
 
 # ---------------------------------------------------------------- sending

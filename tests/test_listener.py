@@ -209,11 +209,6 @@ def _future_message(monkeypatch) -> bytes:
     return data
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: protocol._Restricted.find_class raises UnpicklingError for a class "
-    "nbddp.protocol lacks, so listener._why never says 'another nbddp version'",
-)
 def test_a_hello_naming_a_class_this_version_lacks_says_another_version(started, path, monkeypatch):
     data = _future_message(monkeypatch)
     assert b"NoSuchMessage" in data

@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from nbddp import Pool, remote
+from nbddp.tls import make_server_tls
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None,
@@ -65,10 +66,12 @@ def nodes():
 
 
 @pytest.mark.timeout(240)
-def test_ranks_on_two_hosts_attach_reduce_and_stop(nodes, tmp_path):
+@pytest.mark.parametrize("tls", [False, True], ids=["mac", "tls"])
+def test_ranks_on_two_hosts_attach_reduce_and_stop(nodes, tmp_path, tls):
     token_file = tmp_path / "token"
-    token = remote.read_or_create_token(str(token_file))
-    pool = Pool(2, listen=(NOTEBOOK_IP, 0), token=token, start_timeout=180)
+    server, pin = make_server_tls() if tls else (None, "")
+    token = remote.read_or_create_token(str(token_file), pin)
+    pool = Pool(2, listen=(NOTEBOOK_IP, 0), token=token, tls=server, start_timeout=180)
     address = pool.listen()
     master_ip = nodes[0][2]
     with socket.socket() as s:
@@ -97,6 +100,8 @@ def test_ranks_on_two_hosts_attach_reduce_and_stop(nodes, tmp_path):
         pool.start()
         assert [s.host for s in pool.status()] == ["node-a", "node-b"]
         assert pool.hosts == {0: "node-a", 1: "node-b"}
+        modes = {r.link.conn.mode for r in pool.roster.ranks.values()}
+        assert modes == {"tls" if tls else "mac"}
         code = (
             "import socket, torch.distributed as dist\nt = torch.ones(1) * (rank + 1)\n"
             "dist.all_reduce(t)\n(socket.gethostname(), t.item())"

@@ -17,13 +17,12 @@ import subprocess
 import sys
 import threading
 import time
-from multiprocessing.connection import Client, Connection
 
 import pytest
 
 import simranks
 from helpers import collect, free_port, wait_gone
-from nbddp import Pool, PoolClosedError, relay, remote
+from nbddp import Pool, PoolClosedError, relay, remote, wire
 from nbddp import protocol as P
 from nbddp.pool import raise_for_end
 
@@ -55,6 +54,17 @@ def test_the_ranks_of_a_node_share_a_relay_and_other_nodes_and_runs_do_not():
     assert len(path) < 100  # a Unix socket path must fit in 108 bytes
 
 
+def channel_pair(token: bytes) -> tuple[wire.Channel, wire.Channel]:
+    """Two ends of a Unix socket pair that made nbddp's handshake: (server's, client's)."""
+    ours, theirs = socket.socketpair()
+    made = {}
+    t = threading.Thread(target=lambda: made.update(s=wire.server_handshake(ours, token, 10)))
+    t.start()
+    client = wire.client_handshake(theirs, token, 10)
+    t.join()
+    return made["s"], client
+
+
 def test_a_done_goes_up_after_all_its_rank_wrote_before_it(tmp_path):
     """The relay in this process, a rank played by hand: 1 MB written in one call, then the
     Done at once (more than the socket and one read hold are still unread when the relay
@@ -63,17 +73,18 @@ def test_a_done_goes_up_after_all_its_rank_wrote_before_it(tmp_path):
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen()
-    ours, theirs = socket.socketpair()
-    notebook, up = Connection(ours.detach()), Connection(theirs.detach())
     token = secrets.token_bytes(32)
+    notebook, up = channel_pair(token)
     serving = threading.Thread(target=relay.Relay(up, listener, token).serve, args=(30,))
     serving.start()
-    control = Client(path, "AF_UNIX", authkey=token)
+    control = wire.connect(path, "AF_UNIX", token)
     control.send_bytes(P.dumps(P.Hello(0, 1, 0, 1, os.getpid(), "here", False)))
     streams = {}
     for name in ("stdout", "stderr"):
-        streams[name] = Client(path, "AF_UNIX", authkey=token)
+        streams[name] = wire.connect(path, "AF_UNIX", token)
         streams[name].send_bytes(P.dumps(P.StreamHello(0, os.getpid(), name)))
+        # after its hello a stream carries raw bytes, written as a worker writes its fd 1/2
+        os.set_blocking(streams[name].fileno(), True)
 
     def frames(until):
         items = []

@@ -25,6 +25,7 @@ class FakeConn:
     fd: int = field(default_factory=lambda: next(_fds))
     sent: list = field(default_factory=list)
     closed: bool = False
+    mode: str = "plain"  # (a Unix socket's channel)
 
     def fileno(self) -> int:
         return self.fd

@@ -281,6 +281,8 @@ class Hub:
                 why = f"what it sent failed a check: {exc}"
         self.unwatch_conn(relay.conn)  # its ranks' connections ended with it
         relay.conn.close()
+        if relay in self.relays:
+            self.relays.remove(relay)
         ranks = [rank for rank in sorted(relay.ranks) if self.live(rank)]
         if why:
             self.closed.append(f"the connection of host {relay.host}'s relay was closed: {why}")

@@ -192,6 +192,10 @@ class Listener:
                 raise wire.HandshakeError("it took too long")
             raw = conn.recv_bytes(HELLO_LIMIT, timeout=left)
             hello = P.loads(raw)
+        except TimeoutError:
+            conn.close()
+            self.refuse(peer, f"it did not say hello within {HANDSHAKE_TIMEOUT:g} s")
+            return
         except Exception as exc:
             conn.close()
             self.refuse(peer, _why(exc))

@@ -365,6 +365,8 @@ class _Restricted(pickle.Unpickler):
             found = getattr(sys.modules[module], name, None)
             if isinstance(found, type) and dataclasses.is_dataclass(found):
                 return found
+            if found is None:  # a message this version lacks: another nbddp version
+                raise AttributeError(f"module {module!r} has no attribute {name!r}")
         raise pickle.UnpicklingError(f"a control message may not name {module}.{name}")
 
 

@@ -298,7 +298,12 @@ class Relay:
         except (EOFError, OSError):
             self._gone(rank)
             return
-        if isinstance(P.loads(data), P.Done):  # it goes up after the rank's output
+        try:
+            msg = P.loads(data)
+        except Exception:  # not a message: this rank goes, the host's others stay
+            self._gone(rank)
+            return
+        if isinstance(msg, P.Done):  # it goes up after the rank's output
             self.waiting.discard(rank)
             self.ended.append((rank, data))
         else:

@@ -207,10 +207,10 @@ def _wait(sock: socket.socket, deadline: float | None, read: bool) -> None:
     """Wait until ``sock`` can be read (written); HandshakeError past ``deadline``."""
     left = None if deadline is None else deadline - time.monotonic()
     if left is not None and left <= 0:
-        raise HandshakeError("it took too long")
+        raise HandshakeError("it did not finish the handshake in time")
     r, w, _ = select.select([sock] if read else [], [] if read else [sock], [], left)
     if not r and not w:
-        raise HandshakeError("it took too long")
+        raise HandshakeError("it did not finish the handshake in time")
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
