@@ -47,7 +47,8 @@ def cell(pool: Pool, code: str, **kwargs) -> float:
     for event in pool.run(code, **kwargs):
         if isinstance(event, P.CellEnd):
             end = event
-    assert end is not None and not end.errors, end
+    assert end is not None, "no CellEnd"
+    assert not end.errors, end
     return time.perf_counter() - t0
 
 
@@ -149,10 +150,8 @@ def main() -> None:
         rows = results[topology]
         if "tls" in rows:
             for k in ("round_trip_ms", "need_s"):
-                ratio = rows["tls"][k] / rows["tcp"][k]
-                print(
-                    f"  {topology:>6} {k:<14} {rows['tcp'][k]:9.3f} {rows['tls'][k]:9.3f}  {ratio:.2f}"
-                )
+                tcp, tls = rows["tcp"][k], rows["tls"][k]
+                print(f"  {topology:>6} {k:<14} {tcp:9.3f} {tls:9.3f}  {tls / tcp:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

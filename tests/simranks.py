@@ -40,7 +40,7 @@ def _load_protocol():
     W = importlib.import_module("nbddp.wire")
 
 
-def Client(addr, family, authkey):  # noqa: N802 (as multiprocessing's was called)
+def Client(addr, family, authkey):  # (named as multiprocessing's was)
     return W.connect(addr, family, authkey)
 
 
