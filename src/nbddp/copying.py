@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from . import payload
 from .drive import drive
 from .errors import CaptureError, RankFailed
-from .outcome import failures_of, raise_for_end
+from .outcome import failures_of, owned_files, raise_for_end
 
 __all__ = ["Copied", "copy"]
 
@@ -61,7 +61,7 @@ def copy(pool, names: list[str], src: int, dst: list[int] | None = None) -> Copi
             f"rank {src}: {first.message}" if isinstance(first, RankFailed) else first.summary
         )
     data, files = end.values[src]
-    shipment = payload.Shipment(data, files)
+    shipment = payload.Shipment(data, list(owned_files(files, pool.shm_folder)))
     try:
         raise_for_end(drive(pool, pool.run("", ranks=targets, needs=shipment)), pool.hosts)
     finally:

@@ -147,8 +147,8 @@ class Shipment:
         for path in self.files:
             try:
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
+            except (FileNotFoundError, IsADirectoryError, PermissionError):
+                pass  # gone already, or not a file of ours
         self.files = []
 
 

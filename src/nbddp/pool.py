@@ -189,7 +189,7 @@ class Pool(PoolCalls):
         try:
             self.listen()
             if self.log_dir is not None and self.logs is None:
-                self.logs = LogDir(self.log_dir)
+                self.logs = LogDir(self.log_dir, lambda line: self.notes.append(line))
                 self.hub.log = self.logs.text
             self.roster.store_port = None
             if not self.attached:  # else the ranks come to us
