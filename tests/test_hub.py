@@ -234,8 +234,11 @@ def test_a_tcp_stream_whose_frame_fails_its_check_ends_unread(bench):
     w["stdout"].sock.sendall(
         wire.HEADER.pack(1, len(forged)) + bytes(wire.HEADER_TAG) + forged + bytes(wire.TAG)
     )
-    assert pump(bench.hub) == [Closed(0, "stdout")]  # and none of it as text
+    why = "its stdout failed a check: a frame failed its MAC check (changed or injected on the way)"
+    # none of it as text; the stream ends, and its rank is gone, with the reason said
+    assert pump(bench.hub) == [Closed(0, "stdout"), Gone(0, why)]
     assert bench.hub.ranks[0].link.streams["stdout"].conn.closed
+    assert bench.hub.closed == [f"rank 0's connection was closed: {why}"]
 
 
 # ---------------------------------------------------------------- control

@@ -255,6 +255,8 @@ class Hub:
                     items.append(Msg(rank, P.loads(conn.recv_bytes(ready=True))))
             except FrameError as exc:
                 return [*items, self._closed(rank, f"a frame failed its check: {exc}")]
+            except TimeoutError as exc:
+                return [*items, self._closed(rank, f"a frame stalled ({exc})")]
             except (EOFError, OSError):
                 return [*items, Gone(rank)]
             except Exception as exc:  # a message this side cannot decode
@@ -264,6 +266,9 @@ class Hub:
         items = self._stream_items(rank, s, s.read())
         if s.eof:
             self.unwatch(fd)
+        if s.failed:  # its rank cannot be trusted with the rest: it is gone
+            items.append(self._closed(rank, f"its {s.name} failed a check: {s.failed}"))
+            s.failed = ""
         return items
 
     def _service_relay(self, relay: RelayLink) -> list[Item]:

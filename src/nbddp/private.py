@@ -47,7 +47,14 @@ class UnsafeFile(PermissionError):
 
 def make_folder(path: str) -> str:
     """``path`` and its missing parents, made with mode 0700 (existing ones left as they are)."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    missing = []
+    here = os.path.abspath(path)
+    while not os.path.isdir(here) and here != os.path.dirname(here):
+        missing.append(here)
+        here = os.path.dirname(here)
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # (made meanwhile by another process)
+            os.mkdir(folder, 0o700)
     return path
 
 
@@ -93,10 +100,11 @@ def read_private(path: str, what: str = "file", limit: int = 1 << 16) -> bytes:
         if exc.errno == 40:  # ELOOP: the last part is a symlink
             raise UnsafeFile(f"refusing the {what} {path}: it is a symlink") from None
         raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UnsafeFile(f"refusing the {what} {path}: not a regular file")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafeFile(f"refusing the {what} {path}: not a regular file")
         if st.st_uid != os.getuid():
             raise UnsafeFile(
                 f"refusing the {what} {path}: it belongs to uid {st.st_uid}, not to this "

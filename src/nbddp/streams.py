@@ -11,7 +11,7 @@ import codecs
 import os
 
 from . import protocol as P
-from .wire import Channel
+from .wire import Channel, FrameError
 
 __all__ = ["CHUNK", "Stream"]
 
@@ -29,6 +29,7 @@ class Stream:
         self.conn = conn
         self.fd = None if conn is None else conn.fileno()
         self.framed = conn is not None and conn.mode != "plain"
+        self.failed = ""  # a frame failed its check: the stream was closed for this
         self.name = name
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._held = ""
@@ -57,6 +58,11 @@ class Stream:
                 parts.append(self.conn.recv_bytes(ready=True))
                 if not self.conn.poll(0):
                     break
+        except (FrameError, TimeoutError) as exc:  # the end of it, and the rank's (hub)
+            self.failed = str(exc) or "a frame stalled"
+            self.conn.close()
+            if not parts:
+                return b""
         except (EOFError, OSError):
             self.conn.close()
             if not parts:

@@ -126,10 +126,17 @@ def server_handshake(
     nonce_s = secrets.token_bytes(NONCE)
     sock.setblocking(False)
     _send_all(sock, MAGIC + mode + nonce_s, deadline)
-    if tls:
-        sock = _wrap(
-            tls.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), deadline
-        )
+    if tls:  # (the TLS socket takes the socket over: it is the one to close on failure)
+        sock = tls.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        try:
+            return _server_proof(_wrap(sock, deadline), token, mode, nonce_s, deadline)
+        except BaseException:
+            sock.close()
+            raise
+    return _server_proof(sock, token, mode, nonce_s, deadline)
+
+
+def _server_proof(sock, token: bytes, mode: bytes, nonce_s: bytes, deadline: float) -> Channel:
     answer = _recv_exact(sock, NONCE + TAG, deadline)
     nonce_c, proof = answer[:NONCE], answer[NONCE:]
     transcript = MAGIC + mode + nonce_s + nonce_c
@@ -153,28 +160,46 @@ def client_handshake(
     mode, nonce_s = head[len(MAGIC) : len(MAGIC) + 1], head[len(MAGIC) + 1 :]
     expected = b"t" if tls else b"p" if sock.family == socket.AF_UNIX else b"m"
     if mode != expected:
-        said = {b"t": "uses TLS (attach --tls)", b"m": "does not use TLS"}.get(mode, "")
-        raise HandshakeError(
-            f"the notebook {said or 'spoke another mode'}, and this side expected "
-            f"{MODES.get(expected)}: " + ("a token file of an older pool?" if said else "")
-        )
-    if tls:
-        sock = _wrap(tls.context.wrap_socket(sock, do_handshake_on_connect=False), deadline)
+        raise HandshakeError(_mode_mismatch(mode, expected))
+    if not tls:
+        return _client_proof(sock, token, mode, nonce_s, deadline)
+    sock = tls.context.wrap_socket(sock, do_handshake_on_connect=False)
+    try:  # (the TLS socket took the socket over: it is the one to close on failure)
+        _wrap(sock, deadline)
         seen = hashlib.sha256(sock.getpeercert(binary_form=True) or b"").hexdigest()
         if not hmac.compare_digest(seen, tls.pin):
             raise HandshakeError(
                 f"the notebook's certificate (sha256 {seen[:16]}...) is not the one the token "
                 f"file pins ({tls.pin[:16]}...): not the notebook, or a token file of another pool"
             )
+        return _client_proof(sock, token, mode, nonce_s, deadline)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _mode_mismatch(mode: bytes, expected: bytes) -> str:
+    if mode == b"t" and expected == b"m":
+        return (
+            "the notebook uses TLS (attach --tls) but this token file pins no certificate: "
+            "a token file read before that attach?"
+        )
+    if mode == b"m" and expected == b"t":
+        return (
+            "the notebook does not use TLS but this token file pins a certificate: "
+            "the token file of another pool?"
+        )
+    return f"the notebook speaks mode {mode!r}, not {MODES.get(expected)}"
+
+
+def _client_proof(sock, token: bytes, mode: bytes, nonce_s: bytes, deadline: float) -> Channel:
     nonce_c = secrets.token_bytes(NONCE)
     transcript = MAGIC + mode + nonce_s + nonce_c
     _send_all(sock, nonce_c + _mac(token, b"client", transcript), deadline)
-    reply = _recv_exact(sock, 1, deadline)
-    if reply != OK:
+    if _recv_exact(sock, 1, deadline) != OK:
         raise Refused("the notebook refused this token")
-    if not hmac.compare_digest(
-        _recv_exact(sock, TAG, deadline), _mac(token, b"server", transcript)
-    ):
+    proof = _recv_exact(sock, TAG, deadline)
+    if not hmac.compare_digest(proof, _mac(token, b"server", transcript)):
         raise HandshakeError("the notebook did not prove it holds the token")
     return Channel(sock, MODES[mode], _keys(token, transcript, server=False))
 

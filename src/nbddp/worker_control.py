@@ -81,6 +81,13 @@ class Control:
     def _receive(self) -> object:
         try:
             return P.loads(self.conn.recv_bytes())
+        except wire.FrameError as exc:  # said where the notebook may still read it
+            print(
+                f"nbddp.worker: the connection to the notebook failed a check: {exc}",
+                file=sys.__stderr__ or sys.stderr,
+            )
+            self._exit(1)
+            raise
         except (EOFError, OSError):
             self._exit(1)  # the notebook went away
             raise
@@ -139,15 +146,20 @@ def connect_streams(address: str, token: bytes, rank: int, tls: wire.Tls | None 
 
 
 def _pump(fd: int, conn: Channel) -> None:
-    """What a rank writes to one of its output pipes, in frames to the notebook."""
+    """What a rank writes to one of its output pipes, in frames to the notebook; once the
+    connection is gone, read and dropped (a print never blocks the rank)."""
     while True:
         try:
             data = os.read(fd, 1 << 16)
-            if not data:
-                break
-            conn.send_bytes(data)
         except OSError:
             break
+        if not data:
+            break
+        if not conn.closed:
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                conn.close()
     conn.close()
 
 
