@@ -69,6 +69,7 @@ TAG = 32
 MAX_FRAME = int(os.environ.get("NBDDP_MAX_FRAME", 1 << 34))  # 16 GiB: any one message
 STALL = 30.0  # s a frame that began may go without a byte before the connection is given up
 SMALL = 1 << 16  # frames up to this size go out in one write
+PIECE = 1 << 20  # a big frame is hashed and sent in pieces of this size
 
 
 class HandshakeError(ConnectionError):
@@ -264,6 +265,17 @@ def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
 
 # ---------------------------------------------------------------- frames
 
+try:  # OpenSSL's HMAC object itself: copy, update and digest without Python's wrapper
+    from _hashlib import hmac_new as _hmac_new
+
+    def _hmac_sha256(key: bytes):
+        return _hmac_new(key, digestmod="sha256")
+
+except ImportError:  # pragma: no cover - a Python without OpenSSL's hashlib
+
+    def _hmac_sha256(key: bytes):
+        return hmac.new(key, digestmod=hashlib.sha256)
+
 
 class Channel:
     """An authenticated connection: whole frames in and out (``send_bytes`` from any thread,
@@ -271,10 +283,13 @@ class Channel:
 
     def __init__(self, sock: socket.socket, mode: str, keys: tuple[bytes, bytes]) -> None:
         self.sock, self.mode = sock, mode
-        self._out_key, self._in_key = keys if mode == "mac" else (b"", b"")
+        self._out_key = keys[0] if mode == "mac" else b""  # (tests forge frames with it)
+        self._out_mac = self._in_mac = None  # keyed HMAC states, copied for each frame
+        if mode == "mac":
+            self._out_mac, self._in_mac = (_hmac_sha256(k) for k in keys)
         self._sent = self._read = 0  # sequence numbers
         self._send_lock = threading.Lock()
-        self._tls_lock = threading.Lock() if mode == "tls" else contextlib.nullcontext()
+        self._tls_lock = threading.Lock() if mode == "tls" else None
         self.closed = False
         self.fd = sock.fileno()
         sock.setblocking(False)
@@ -306,26 +321,39 @@ class Channel:
         data = memoryview(data).cast("B")
         with self._send_lock:
             header = HEADER.pack(self._sent, len(data))
-            if self._out_key:
-                tag = hmac.new(self._out_key, header, hashlib.sha256)
-                header += tag.digest()[:HEADER_TAG]
-                tag.update(data)
-                trailer = tag.digest()
-            else:
-                trailer = b""
+            trailer = b""
+            if self._out_mac is not None:
+                tag = self._out_mac.copy()  # (the keyed state, made once)
+                tag.update(header)
+                header += tag.copy().digest()[:HEADER_TAG]
+                if len(data) <= SMALL:
+                    tag.update(data)
+                    trailer = tag.digest()
+                else:
+                    trailer = None  # (computed as it is sent)
             self._sent += 1
             if len(data) <= SMALL:
                 self._write(b"".join((header, data, trailer)))
-            else:
-                for part in (header, data, trailer):
-                    self._write(part)
+            elif trailer is not None:
+                self._write(header)
+                self._write(data)
+            else:  # hashed piece by piece as it goes: the peer checks while it reads
+                self._write(header)
+                for start in range(0, len(data), PIECE):
+                    piece = data[start : start + PIECE]
+                    tag.update(piece)
+                    self._write(piece)
+                self._write(tag.digest())
 
     def _write(self, data) -> None:
         view = memoryview(data)
         while view:
             try:
-                with self._tls_lock:
+                if self._tls_lock is None:
                     n = self.sock.send(view)
+                else:
+                    with self._tls_lock:
+                        n = self.sock.send(view)
             except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
                 select.select([], [self.fd], [], STALL)
                 continue
@@ -346,11 +374,13 @@ class Channel:
         """
         limit = MAX_FRAME if maxlength is None else maxlength
         deadline = None if timeout is None else time.monotonic() + timeout
-        head = self._read_exact(HEADER.size + (HEADER_TAG if self._in_key else 0), deadline, ready)
+        mac = self._in_mac
+        head = self._read_exact(HEADER.size + (HEADER_TAG if mac else 0), deadline, ready)
         seq, length = HEADER.unpack_from(head)
-        if self._in_key:
-            tag = hmac.new(self._in_key, head[: HEADER.size], hashlib.sha256)
-            if not hmac.compare_digest(tag.digest()[:HEADER_TAG], head[HEADER.size :]):
+        if mac is not None:
+            tag = mac.copy()
+            tag.update(head[: HEADER.size])
+            if not hmac.compare_digest(tag.copy().digest()[:HEADER_TAG], head[HEADER.size :]):
                 raise self._fail("a frame failed its MAC check (changed or injected on the way)")
         if seq != self._read:
             raise self._fail(
@@ -359,31 +389,71 @@ class Channel:
             )
         if length > limit:
             raise self._fail(f"a frame of {length:,} bytes is over the limit of {limit:,}")
-        data = self._read_exact(length, deadline, True, midframe=True)
-        if self._in_key:
-            tag.update(data)
-            if not hmac.compare_digest(
-                tag.digest(), self._read_exact(TAG, deadline, True, midframe=True)
-            ):
+        if mac is None:
+            data = self._read_exact(length, deadline, True, midframe=True)
+        elif length > SMALL:  # hashed piece by piece as it comes, then its MAC
+            data = self._read_exact(length, deadline, True, midframe=True, hash_to=tag)
+            if not hmac.compare_digest(tag.digest(), self._read_exact(TAG, deadline, True, True)):
                 raise self._fail("a frame failed its MAC check (changed on the way)")
+        else:  # the payload and its MAC in one read
+            both = self._read_exact(length + TAG, deadline, True, midframe=True)
+            with memoryview(both) as view:
+                tag.update(view[:length])
+                if not hmac.compare_digest(tag.digest(), view[length:]):
+                    raise self._fail("a frame failed its MAC check (changed on the way)")
+            if type(both) is bytes:
+                data = both[:length]
+            else:
+                del both[length:]  # (a bytearray: cut in place, not copied)
+                data = both
         self._read += 1
-        return bytes(data) if length <= 1 << 20 else data
+        return bytes(data) if length <= 1 << 20 and type(data) is not bytes else data
 
     def _fail(self, why: str) -> FrameError:
         self.close()
         return FrameError(why)
 
     def _read_exact(
-        self, n: int, deadline: float | None, bounded: bool, midframe: bool = False
-    ) -> bytearray:
+        self,
+        n: int,
+        deadline: float | None,
+        bounded: bool,
+        midframe: bool = False,
+        hash_to=None,
+    ) -> bytes | bytearray:
         """``n`` bytes; a wait is bounded by ``deadline``, else (``bounded``, or once some
-        bytes came) by STALL, else not at all."""
+        bytes came) by STALL, else not at all. ``hash_to``: an HMAC that takes each piece as
+        it comes (a big frame is checked while it arrives, not after)."""
+        if self._tls_lock is None and n <= SMALL:  # most frames: one read, no copy
+            try:
+                first = self.sock.recv(n)
+            except BlockingIOError:
+                first = None
+            except OSError:
+                if self.closed:
+                    raise EOFError from None
+                raise
+            if first is not None:
+                if len(first) == n:
+                    return first
+                if not first:
+                    if midframe and n:
+                        raise self._fail("the connection ended in the middle of a frame")
+                    raise EOFError
+        else:
+            first = None
         buf = bytearray(n)
         view, got = memoryview(buf), 0
+        if first:
+            got = len(first)
+            view[:got] = first
         while got < n:
             try:
-                with self._tls_lock:
+                if self._tls_lock is None:
                     k = self.sock.recv_into(view[got:], n - got)
+                else:
+                    with self._tls_lock:
+                        k = self.sock.recv_into(view[got:], n - got)
             except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 if deadline is not None:
                     left = max(0.0, deadline - time.monotonic())
@@ -402,7 +472,10 @@ class Channel:
                 if got or midframe:
                     raise self._fail("the connection ended in the middle of a frame")
                 raise EOFError
+            if hash_to is not None:
+                hash_to.update(view[got : got + k])
             got += k
+        view.release()
         return buf
 
 
