@@ -26,7 +26,7 @@ from . import protocol as P
 from . import stacks as S
 from .ddp import DDPContext
 from .worker_code import OUT_OF_MEMORY, adopt, error_info, run_code, run_script, unwrap
-from .worker_control import flush_streams
+from .worker_control import flush_streams, write_marker
 from .worker_group import GroupKeeper, layout
 
 __all__ = ["CellInterrupts", "CellRunner"]
@@ -316,7 +316,7 @@ def _mark(fd: int, other: int, marker: bytes) -> None:
     """The end marker on ``fd``; a cell that closed it (``os.close(1)``) gets ``other``'s
     stream there from now on (said once), and the rank lives on."""
     try:
-        os.write(fd, marker)
+        write_marker(fd, marker)
         return
     except OSError:
         pass

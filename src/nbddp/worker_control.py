@@ -13,6 +13,7 @@ import ctypes
 import io
 import os
 import queue
+import select
 import sys
 import threading
 import traceback
@@ -22,7 +23,14 @@ from . import protocol as P
 from . import wire
 from .wire import Channel
 
-__all__ = ["Control", "connect", "connect_streams", "flush_streams", "parse_address"]
+__all__ = [
+    "Control",
+    "connect",
+    "connect_streams",
+    "flush_streams",
+    "parse_address",
+    "write_marker",
+]
 
 Handler = Callable[[object], None]
 _libc = ctypes.CDLL(None)
@@ -138,29 +146,73 @@ def connect_streams(address: str, token: bytes, rank: int, tls: wire.Tls | None 
         read_end, write_end = os.pipe()
         os.dup2(write_end, fd)
         os.close(write_end)
-        pump = threading.Thread(target=_pump, args=(read_end, conn), name=f"nbddp-{stream}")
-        pump.daemon = True
-        pump.start()
+        _PUMPS[fd] = pump = _Pump(read_end, conn)
+        threading.Thread(target=pump.run, name=f"nbddp-{stream}", daemon=True).start()
     sys.stdout = _LineWriter(1, "<stdout>")
     sys.stderr = _LineWriter(2, "<stderr>")
 
 
-def _pump(fd: int, conn: Channel) -> None:
+class _Pump:
     """What a rank writes to one of its output pipes, in frames to the notebook; once the
-    connection is gone, read and dropped (a print never blocks the rank)."""
-    while True:
-        try:
-            data = os.read(fd, 1 << 16)
-        except OSError:
-            break
-        if not data:
-            break
-        if not conn.closed:
+    connection is gone, read and dropped (a print never blocks the rank). A cell's end
+    marker goes from the rank's own thread, right after what the pipe held (no wait for
+    the pump thread to wake)."""
+
+    def __init__(self, fd: int, conn: Channel) -> None:
+        self.fd, self.conn = fd, conn
+        self.lock = threading.Lock()  # a read of the pipe and its sending, in order
+        os.set_blocking(fd, False)
+
+    def run(self) -> None:
+        while self._move(wait=True):
+            pass
+        self.conn.close()
+
+    def _move(self, wait: bool) -> bool:
+        """Send what the pipe holds now (``wait``: once it holds something); False at its end."""
+        if wait:
+            select.select([self.fd], [], [])
+        with self.lock:
+            while True:
+                try:
+                    data = os.read(self.fd, 1 << 16)
+                except BlockingIOError:
+                    return True
+                except OSError:
+                    return False
+                if not data:
+                    return False
+                self._send(data)
+
+    def _send(self, data: bytes) -> None:
+        if not self.conn.closed:
             try:
-                conn.send_bytes(data)
+                self.conn.send_bytes(data)
             except OSError:
-                conn.close()
-    conn.close()
+                self.conn.close()
+
+    def mark(self, marker: bytes) -> bool:
+        """The end marker, after everything written before it; False: the stream is gone."""
+        if not self._move(wait=False) or self.conn.closed:
+            return False
+        with self.lock:
+            self._send(marker)
+        return not self.conn.closed
+
+
+_PUMPS: dict[int, _Pump] = {}  # fd 1 and 2 on TCP: their pumps
+
+
+def _pump(fd: int, conn: Channel) -> None:
+    _Pump(fd, conn).run()
+
+
+def write_marker(fd: int, marker: bytes) -> None:
+    """Write a cell's end marker on ``fd`` (through its pump on TCP); OSError: it is closed."""
+    pump = _PUMPS.get(fd)
+    if pump is not None and pump.mark(marker):
+        return
+    os.write(fd, marker)
 
 
 def flush_streams() -> None:
