@@ -7,9 +7,8 @@ rest refused at once), so a slow or silent peer never holds up the others. The
 whole handshake, the peer's first message included, must end within
 HANDSHAKE_TIMEOUT seconds however the peer paces its bytes, and nothing it sends
 is decoded before it proved it holds the token (:mod:`nbddp.handshake`). A peer
-that
-fails is refused: the refusals are counted by reason and said in one folded line
-each (:meth:`Listener.refusals`), however many there were.
+that fails is refused: the refusals are counted by reason and said in one folded
+line each (:meth:`Listener.refusals`), however many there were.
 """
 
 from __future__ import annotations
