@@ -24,7 +24,7 @@ from pathlib import Path
 
 P = None  # nbddp.protocol, loaded by _load_protocol()
 R = None  # nbddp.relay
-W = None  # nbddp.wire
+W = None  # nbddp.handshake
 
 
 def _load_protocol():
@@ -37,7 +37,7 @@ def _load_protocol():
         sys.modules["nbddp"] = package
     P = importlib.import_module("nbddp.protocol")
     R = importlib.import_module("nbddp.relay")
-    W = importlib.import_module("nbddp.wire")
+    W = importlib.import_module("nbddp.handshake")
 
 
 def Client(addr, family, authkey):  # (named as multiprocessing's was)

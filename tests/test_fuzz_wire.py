@@ -37,6 +37,7 @@ import pytest
 
 from helpers import collect
 from nbddp import Pool, relay, remote, wire
+from nbddp import handshake as HS
 from nbddp import listener as L
 from nbddp import protocol as P
 
@@ -54,7 +55,7 @@ GB = 1 << 30
 
 class Target:
     """Where a listener listens: ``raw()`` gives a connected raw socket, ``channel()`` an
-    authenticated connection (``wire.connect``)."""
+    authenticated connection (``HS.connect``)."""
 
     def __init__(self, address, family: str, token: bytes) -> None:
         self.address, self.family, self.token = address, family, token
@@ -66,7 +67,7 @@ class Target:
         return sock
 
     def channel(self, token: bytes | None = None) -> wire.Channel:
-        return wire.connect(self.address, self.family, token or self.token, timeout=WAIT)
+        return HS.connect(self.address, self.family, token or self.token, timeout=WAIT)
 
 
 def header(ch: wire.Channel, length: int, seq: int | None = None) -> bytes:
@@ -141,12 +142,15 @@ def truncated_handshake(t: Target, rng: random.Random) -> socket.socket:
     """A real client's answer to the challenge, cut short, then the end."""
     sock = t.raw()
     greeting = b""
-    while len(greeting) < len(wire.MAGIC) + 1 + wire.NONCE:
+    while len(greeting) < len(HS.MAGIC) + 1 + HS.NONCE:
         greeting += sock.recv(64)
-    mode, nonce_s = greeting[len(wire.MAGIC) : len(wire.MAGIC) + 1], greeting[-wire.NONCE :]
-    nonce_c = secrets.token_bytes(wire.NONCE)
-    proof = wire._mac(t.token, b"client", wire.MAGIC + mode + nonce_s + nonce_c)
-    send_raw(sock, (nonce_c + proof)[: rng.randrange(0, wire.NONCE + wire.TAG)])
+    mode, nonce_s = (
+        greeting[len(HS.MAGIC) : len(HS.MAGIC) + 1],
+        greeting[-HS.NONCE :],
+    )
+    nonce_c = secrets.token_bytes(HS.NONCE)
+    proof = HS._mac(t.token, b"client", HS.MAGIC + mode + nonce_s + nonce_c)
+    send_raw(sock, (nonce_c + proof)[: rng.randrange(0, HS.NONCE + wire.TAG)])
     end(sock)
     return sock
 
@@ -155,7 +159,7 @@ def wrong_magic(t: Target, rng: random.Random) -> socket.socket:
     """A greeting of its own (another version's MAGIC, or this one's) where its proof
     of the token should be."""
     sock = t.raw()
-    magic = bytearray(wire.MAGIC)
+    magic = bytearray(HS.MAGIC)
     if rng.random() < 0.7:
         magic[rng.randrange(len(magic))] ^= 1 << rng.randrange(8)
     send_raw(sock, bytes(magic) + rng.choice([b"m", b"p", b"t"]) + rng.randbytes(55))
@@ -164,8 +168,8 @@ def wrong_magic(t: Target, rng: random.Random) -> socket.socket:
 
 def wrong_token(t: Target, rng: random.Random) -> socket.socket:
     sock = t.raw()
-    with pytest.raises(wire.Refused):
-        wire.client_handshake(sock, rng.randbytes(rng.randrange(1, 64)), WAIT)
+    with pytest.raises(HS.Refused):
+        HS.client_handshake(sock, rng.randbytes(rng.randrange(1, 64)), WAIT)
     return sock
 
 
@@ -315,7 +319,7 @@ def slow_peer(t: Target, authenticated: bool) -> tuple[float | None, int]:
         data = header(ch, 100) + bytes(100 + (wire.TAG if ch._out_key else 0))
     else:
         sock = t.raw()
-        data = secrets.token_bytes(wire.NONCE + wire.TAG)
+        data = secrets.token_bytes(HS.NONCE + wire.TAG)
     try:
         sent = 0
         for byte in data[: int(2 * SLOW_DEADLINE) + 3]:  # (bounded: the listener cuts it first)
@@ -550,9 +554,9 @@ class Host:
     def channel_pair(self) -> tuple[wire.Channel, wire.Channel]:
         a, b = socket.socketpair()
         made = {}
-        t = threading.Thread(target=lambda: made.update(s=wire.server_handshake(a, self.token, 10)))
+        t = threading.Thread(target=lambda: made.update(s=HS.server_handshake(a, self.token, 10)))
         t.start()
-        theirs = wire.client_handshake(b, self.token, 10)
+        theirs = HS.client_handshake(b, self.token, 10)
         t.join()
         return made["s"], theirs
 
@@ -721,11 +725,11 @@ def fake_server(greeting: bytes) -> tuple[socket.socket, threading.Thread]:
     [
         (b"nbddp-w0m" + bytes(32), "does not speak this nbddp's protocol"),
         (b"GET / HTTP/1.1\r\n" * 4, "does not speak this nbddp's protocol"),
-        (wire.MAGIC + b"p" + bytes(32), "speaks mode"),
-        (wire.MAGIC + b"t" + bytes(32), "uses TLS"),
-        (wire.MAGIC + b"m" + bytes(20), "in time"),  # cut short, then silence
-        (wire.MAGIC + b"m" + bytes(32) + wire.REFUSED, "refused this token"),
-        (wire.MAGIC + b"m" + bytes(32) + wire.OK + bytes(32), "did not prove it holds"),
+        (HS.MAGIC + b"p" + bytes(32), "speaks mode"),
+        (HS.MAGIC + b"t" + bytes(32), "uses TLS"),
+        (HS.MAGIC + b"m" + bytes(20), "in time"),  # cut short, then silence
+        (HS.MAGIC + b"m" + bytes(32) + HS.REFUSED, "refused this token"),
+        (HS.MAGIC + b"m" + bytes(32) + HS.OK + bytes(32), "did not prove it holds"),
     ],
 )
 def test_a_rank_that_reaches_something_else_fails_its_handshake_in_time(greeting, says):
@@ -733,10 +737,10 @@ def test_a_rank_that_reaches_something_else_fails_its_handshake_in_time(greeting
     try:
         start = time.monotonic()
         with (
-            pytest.raises(wire.HandshakeError, match=re.escape(says)),
+            pytest.raises(HS.HandshakeError, match=re.escape(says)),
             socket.create_connection(srv.getsockname()) as sock,
         ):
-            wire.client_handshake(sock, b"the token", DEADLINE)
+            HS.client_handshake(sock, b"the token", DEADLINE)
         assert time.monotonic() - start < DEADLINE + 1
     finally:
         t.join(WAIT)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from nbddp import handshake as HS
 from nbddp import protocol as P
 from nbddp import wire
 from nbddp.hub import (
@@ -44,14 +45,14 @@ def handshake(server: socket.socket, client: socket.socket) -> tuple[wire.Channe
 
     def serve() -> None:
         try:
-            made["server"] = wire.server_handshake(server, TOKEN, 10)
+            made["server"] = HS.server_handshake(server, TOKEN, 10)
         except BaseException as exc:  # said by the assert below
             made["error"] = exc
 
     t = threading.Thread(target=serve)
     t.start()
     try:
-        theirs = wire.client_handshake(client, TOKEN, 10)
+        theirs = HS.client_handshake(client, TOKEN, 10)
     finally:
         t.join()
     assert "error" not in made, made

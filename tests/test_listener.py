@@ -1,6 +1,6 @@
 """The listener alone (nbddp.listener): accept, authenticate, refuse and count.
 
-Peers are played by hand on a Unix socket: ``nbddp.wire.connect`` with the right or a
+Peers are played by hand on a Unix socket: ``nbddp.HS.connect`` with the right or a
 wrong token, raw sockets that send garbage or nothing.
 """
 
@@ -15,6 +15,7 @@ import threading
 
 import pytest
 
+from nbddp import handshake as HS
 from nbddp import listener as L
 from nbddp import protocol as P
 from nbddp import wire
@@ -25,8 +26,8 @@ WRONG_TOKEN = "it did not prove it holds the token (a wrong token?)"
 
 
 def client(path: str, token: bytes = TOKEN) -> wire.Channel:
-    """An authenticated connection to the listener (``wire.Refused`` for a wrong token)."""
-    return wire.connect(path, "AF_UNIX", token, timeout=WAIT)
+    """An authenticated connection to the listener (``HS.Refused`` for a wrong token)."""
+    return HS.connect(path, "AF_UNIX", token, timeout=WAIT)
 
 
 def hello(rank: int = 0) -> P.Hello:
@@ -105,7 +106,7 @@ def test_a_good_peer_reaches_on_peer_with_its_hello_and_raw_bytes(started, path)
 
 def test_a_wrong_token_is_refused(started, path):
     lis = started()
-    with pytest.raises(wire.Refused):
+    with pytest.raises(HS.Refused):
         client(path, b"another token")
     assert lis.next_refusal() == f"refused a connection: {WRONG_TOKEN}"
     assert lis.peers.empty()
@@ -117,7 +118,7 @@ def test_garbage_is_refused(started, path):
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(path)
         # as many bytes as the answer to the challenge (a nonce and a proof), all garbage
-        s.sendall(b"garbage!" * ((wire.NONCE + wire.TAG) // 8))
+        s.sendall(b"garbage!" * ((HS.NONCE + wire.TAG) // 8))
         line = lis.next_refusal()
     assert line == f"refused a connection: {WRONG_TOKEN}"
     assert lis.peers.empty()
@@ -225,7 +226,7 @@ def test_a_hello_naming_a_class_this_version_lacks_says_another_version(started,
 def test_a_hundred_refusals_for_one_reason_are_one_line(started, path):
     lis = started()
     for _ in range(100):
-        with pytest.raises(wire.Refused):
+        with pytest.raises(HS.Refused):
             client(path, b"wrong")
     lines = {lis.next_refusal() for _ in range(100)}
     assert len(lines) == 1
@@ -281,6 +282,6 @@ def test_close_stops_accepting_and_leaves_no_thread(started, path):
     accepting.join(WAIT)  # it sees the close within its 0.5 s select cycle
     assert not accepting.is_alive()
     with pytest.raises(ConnectionRefusedError):
-        wire.connect(path, "AF_UNIX", TOKEN, timeout=0)  # (no retry: nothing listens)
+        HS.connect(path, "AF_UNIX", TOKEN, timeout=0)  # (no retry: nothing listens)
     lis.refuse_line("still readable")
     assert lis.refusals() == ["still readable"]

@@ -23,6 +23,7 @@ import pytest
 import simranks
 from helpers import collect, free_port, wait_gone
 from nbddp import Pool, PoolClosedError, relay, remote, wire
+from nbddp import handshake as HS
 from nbddp import protocol as P
 from nbddp.pool import raise_for_end
 
@@ -58,9 +59,9 @@ def channel_pair(token: bytes) -> tuple[wire.Channel, wire.Channel]:
     """Two ends of a Unix socket pair that made nbddp's handshake: (server's, client's)."""
     ours, theirs = socket.socketpair()
     made = {}
-    t = threading.Thread(target=lambda: made.update(s=wire.server_handshake(ours, token, 10)))
+    t = threading.Thread(target=lambda: made.update(s=HS.server_handshake(ours, token, 10)))
     t.start()
-    client = wire.client_handshake(theirs, token, 10)
+    client = HS.client_handshake(theirs, token, 10)
     t.join()
     return made["s"], client
 
@@ -77,11 +78,11 @@ def test_a_done_goes_up_after_all_its_rank_wrote_before_it(tmp_path):
     notebook, up = channel_pair(token)
     serving = threading.Thread(target=relay.Relay(up, listener, token).serve, args=(30,))
     serving.start()
-    control = wire.connect(path, "AF_UNIX", token)
+    control = HS.connect(path, "AF_UNIX", token)
     control.send_bytes(P.dumps(P.Hello(0, 1, 0, 1, os.getpid(), "here", False)))
     streams = {}
     for name in ("stdout", "stderr"):
-        streams[name] = wire.connect(path, "AF_UNIX", token)
+        streams[name] = HS.connect(path, "AF_UNIX", token)
         streams[name].send_bytes(P.dumps(P.StreamHello(0, os.getpid(), name)))
         # after its hello a stream carries raw bytes, written as a worker writes its fd 1/2
         os.set_blocking(streams[name].fileno(), True)

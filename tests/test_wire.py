@@ -31,7 +31,9 @@ from IPython.core.error import UsageError
 
 from helpers import collect
 from nbddp import Pool, attaching, private, remote, wire
+from nbddp import handshake as HS
 from nbddp import protocol as P
+from nbddp import tls as T
 from nbddp.errors import CellFailed
 from nbddp.pool import raise_for_end
 from nbddp.tls import make_server_tls
@@ -76,17 +78,17 @@ def handshake(s, c, *, server_token=TOKEN, client_token=TOKEN, tls=None, pin="",
 
     def serve():
         try:
-            got["server"] = wire.server_handshake(s, server_token, timeout, tls)
+            got["server"] = HS.server_handshake(s, server_token, timeout, tls)
         except Exception as exc:
             got["server"] = exc
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        client = wire.client_handshake(c, client_token, timeout, wire.Tls(pin=pin) if pin else None)
+        client = HS.client_handshake(c, client_token, timeout, T.Tls(pin=pin) if pin else None)
     except Exception as exc:
         client = exc
-        c.close()  # (as wire.connect does)
+        c.close()  # (as HS.connect does)
     thread.join(timeout + 5)
     assert not thread.is_alive()
     return got["server"], client
@@ -134,14 +136,14 @@ def in_the_middle(mode: str):
             got[name] = exc
 
     threads = [
-        threading.Thread(target=side, args=("server", wire.server_handshake, s), daemon=True),
-        threading.Thread(target=side, args=("client", wire.client_handshake, c), daemon=True),
+        threading.Thread(target=side, args=("server", HS.server_handshake, s), daemon=True),
+        threading.Thread(target=side, args=("client", HS.client_handshake, c), daemon=True),
     ]
     for t in threads:
         t.start()
     try:
-        c_raw.sendall(recv_exact(s_raw, len(wire.MAGIC) + 1 + wire.NONCE))  # S -> C
-        s_raw.sendall(recv_exact(c_raw, wire.NONCE + wire.TAG))  # C -> S
+        c_raw.sendall(recv_exact(s_raw, len(HS.MAGIC) + 1 + HS.NONCE))  # S -> C
+        s_raw.sendall(recv_exact(c_raw, HS.NONCE + wire.TAG))  # C -> S
         c_raw.sendall(recv_exact(s_raw, 1 + wire.TAG))  # S -> C
         for t in threads:
             t.join(10)
@@ -265,9 +267,9 @@ def test_a_wrong_token_is_refused_on_both_sides(mode, server_tls):
     tls, pin = server_tls if mode == "tls" else (None, "")
     with s, c:
         server, client = handshake(s, c, client_token=b"not-the-token", tls=tls, pin=pin)
-    assert isinstance(server, wire.HandshakeError)
+    assert isinstance(server, HS.HandshakeError)
     assert "did not prove it holds the token" in str(server)
-    assert isinstance(client, wire.Refused)
+    assert isinstance(client, HS.Refused)
 
 
 @pytest.mark.parametrize("mode", ["plain", "mac"])
@@ -275,17 +277,17 @@ def test_a_server_that_does_not_hold_the_token_is_not_believed(mode):
     """A fake notebook says OK without proving the token: the client gives up."""
     s, c = socket.socketpair() if mode == "plain" else tcp_pair()
     with s, c:
-        s.sendall(wire.MAGIC + {"plain": b"p", "mac": b"m"}[mode] + os.urandom(wire.NONCE))
+        s.sendall(HS.MAGIC + {"plain": b"p", "mac": b"m"}[mode] + os.urandom(HS.NONCE))
         s.settimeout(5)
 
         def fake():
-            recv_exact(s, wire.NONCE + wire.TAG)
-            s.sendall(wire.OK + os.urandom(wire.TAG))
+            recv_exact(s, HS.NONCE + wire.TAG)
+            s.sendall(HS.OK + os.urandom(wire.TAG))
 
         thread = threading.Thread(target=fake, daemon=True)
         thread.start()
-        with pytest.raises(wire.HandshakeError, match="did not prove it holds the token"):
-            wire.client_handshake(c, TOKEN, 5.0)
+        with pytest.raises(HS.HandshakeError, match="did not prove it holds the token"):
+            HS.client_handshake(c, TOKEN, 5.0)
         thread.join(5)
 
 
@@ -304,10 +306,10 @@ def test_a_changed_mode_byte_cannot_downgrade(client_tls, said, why):
     another (not even its nonce and proof)."""
     s, c = tcp_pair()
     with s, c:
-        s.sendall(wire.MAGIC + said + os.urandom(wire.NONCE))
-        tls = wire.Tls(pin="ab" * 32) if client_tls else None
-        with pytest.raises(wire.HandshakeError, match=why):
-            wire.client_handshake(c, TOKEN, 5.0, tls)
+        s.sendall(HS.MAGIC + said + os.urandom(HS.NONCE))
+        tls = T.Tls(pin="ab" * 32) if client_tls else None
+        with pytest.raises(HS.HandshakeError, match=why):
+            HS.client_handshake(c, TOKEN, 5.0, tls)
         c.close()
         s.settimeout(5)
         assert s.recv(1024) == b""  # the client sent nothing at all
@@ -316,26 +318,26 @@ def test_a_changed_mode_byte_cannot_downgrade(client_tls, said, why):
 def test_a_unix_client_refuses_a_mac_or_tls_server():
     s, c = socket.socketpair()
     with s, c:
-        s.sendall(wire.MAGIC + b"m" + os.urandom(wire.NONCE))
-        with pytest.raises(wire.HandshakeError, match="not plain"):
-            wire.client_handshake(c, TOKEN, 5.0)
+        s.sendall(HS.MAGIC + b"m" + os.urandom(HS.NONCE))
+        with pytest.raises(HS.HandshakeError, match="not plain"):
+            HS.client_handshake(c, TOKEN, 5.0)
 
 
 def test_another_protocol_is_refused():
     s, c = tcp_pair()
     with s, c:
         s.sendall(b"HTTP/1.1 200 OK\r\n" + b"x" * 64)
-        with pytest.raises(wire.HandshakeError, match="does not speak this nbddp's protocol"):
-            wire.client_handshake(c, TOKEN, 5.0)
+        with pytest.raises(HS.HandshakeError, match="does not speak this nbddp's protocol"):
+            HS.client_handshake(c, TOKEN, 5.0)
 
 
 def test_a_wrong_tls_pin_is_refused(server_tls):
     s, c = tcp_pair()
     with s, c:
         server, client = handshake(s, c, tls=server_tls[0], pin="00" * 32, timeout=3.0)
-    assert isinstance(client, wire.HandshakeError)
+    assert isinstance(client, HS.HandshakeError)
     assert "is not the one the token file pins" in str(client)
-    assert isinstance(server, wire.HandshakeError)  # the client said nothing more
+    assert isinstance(server, HS.HandshakeError)  # the client said nothing more
 
 
 def test_the_right_tls_pin_is_accepted_in_any_case(server_tls):
@@ -354,8 +356,8 @@ def test_a_silent_client_ends_the_handshake_in_time():
     s, c = tcp_pair()
     with s, c:
         t0 = time.monotonic()
-        with pytest.raises(wire.HandshakeError):
-            wire.server_handshake(s, TOKEN, 0.3)
+        with pytest.raises(HS.HandshakeError):
+            HS.server_handshake(s, TOKEN, 0.3)
         assert time.monotonic() - t0 < 3
 
 
@@ -558,8 +560,8 @@ class Proxy:
     connection, or on the connections whose first message is one of ``kinds``."""
 
     SIZES = {
-        "up": [wire.NONCE + wire.TAG],
-        "down": [len(wire.MAGIC) + 1 + wire.NONCE, 1 + wire.TAG],
+        "up": [HS.NONCE + wire.TAG],
+        "down": [len(HS.MAGIC) + 1 + HS.NONCE, 1 + wire.TAG],
     }
 
     def __init__(self, target: str, act, kinds=("Hello",)) -> None:
@@ -793,9 +795,9 @@ def test_a_ranks_output_pump_never_blocks_once_its_connection_is_gone():
 
     s, c = socket.socketpair()
     server = {}
-    t = threading.Thread(target=lambda: server.setdefault("ch", wire.server_handshake(s, TOKEN, 5)))
+    t = threading.Thread(target=lambda: server.setdefault("ch", HS.server_handshake(s, TOKEN, 5)))
     t.start()
-    channel = wire.client_handshake(c, TOKEN, 5)
+    channel = HS.client_handshake(c, TOKEN, 5)
     t.join()
     server["ch"].close()
     read_end, write_end = os.pipe()

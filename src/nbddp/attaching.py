@@ -16,8 +16,7 @@ from .errors import PoolStartError
 from .pool import Pool
 from .private import UnsafeFile
 from .session import say
-from .tls import make_server_tls
-from .wire import Tls
+from .tls import Tls, make_server_tls
 
 __all__ = ["attach", "prepare"]
 

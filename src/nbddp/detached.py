@@ -32,7 +32,7 @@ from collections import deque
 import psutil
 
 from . import detached_wire as W
-from . import payload, wire
+from . import handshake, payload
 from . import protocol as P
 from .detached_wire import Link
 from .listener import bind_unix
@@ -114,7 +114,7 @@ class Supervisor:
                 time.sleep(0.05)  # EMFILE and the like: let it pass
                 continue
             try:
-                conn = Link(wire.server_handshake(sock, token, HELLO_TIMEOUT))
+                conn = Link(handshake.server_handshake(sock, token, HELLO_TIMEOUT))
                 hello = pickle.loads(conn.channel.recv_bytes(1 << 16, timeout=HELLO_TIMEOUT))
             except Exception:  # not the token, too slow, not a hello: nothing more from it
                 sock.close()

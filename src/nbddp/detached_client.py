@@ -26,10 +26,10 @@ from . import detached_wire as W
 from . import errors as E
 from . import protocol as P
 from .detached import IDLE_TIMEOUT
+from .handshake import connect as wire_connect
 from .outcome import RawValue, load_value
 from .pool_calls import PoolCalls
 from .private import UnsafeFile, read_private
-from .wire import connect as wire_connect
 
 __all__ = ["DetachedPool", "connect", "listing", "start", "stop"]
 

@@ -4,7 +4,7 @@ A detached pool (``%ddp start --detached NAME``) is a :class:`~nbddp.pool.Pool`
 run by a supervisor process of its own (:mod:`nbddp.detached`); a kernel is
 its client (:mod:`nbddp.detached_client`) over one Unix socket in the pool's
 private folder, ``~/.nbddp/pools/NAME/`` (0700), authenticated with the
-token in ``token`` (0600) by :mod:`nbddp.wire`'s SHA-256 challenge, both ways,
+token in ``token`` (0600) by :mod:`nbddp.handshake`'s SHA-256 challenge, both ways,
 before anything is unpickled. These messages carry the user's own values (a
 call's arguments, a cell's results) and are unpickled whole: both ends are
 processes of the same user, on a socket only that user can reach::

@@ -6,9 +6,9 @@ threads reused; at most WAITING more accepted and waiting for a thread, the
 rest refused at once), so a slow or silent peer never holds up the others. The
 whole handshake, the peer's first message included, must end within
 HANDSHAKE_TIMEOUT seconds however the peer paces its bytes, and nothing it sends
-is decoded before it proved it holds the token (:mod:`nbddp.wire`). A peer that
-fails is refused: the refusals are counted by reason and said in one folded line
-each (:meth:`Listener.refusals`), however many there were.
+is decoded before it proved it holds the token (:mod:`nbddp.handshake`). A peer
+that fails is refused: the refusals are counted by reason and said in one folded
+line each (:meth:`Listener.refusals`), however many there were.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from . import handshake, wire
 from . import protocol as P
-from . import wire
+from .tls import Tls
 
 __all__ = ["Listener", "bind_tcp", "bind_unix"]
 
 HELLO_LIMIT = 1 << 16  # the first message after the handshake, at most
-HANDSHAKE_TIMEOUT = wire.HANDSHAKE_TIMEOUT  # s for the whole handshake and the first message
+HANDSHAKE_TIMEOUT = handshake.HANDSHAKE_TIMEOUT  # s for the whole handshake and the first message
 WAITING = 4096  # peers accepted and waiting for an authenticating thread, at most
 REASONS_KEPT = 32  # distinct refusal reasons remembered between two reports
 AUTH_THREADS = 32  # handshakes in flight at most; the threads are kept while there is work
@@ -53,7 +54,7 @@ def _why(exc: BaseException) -> str:
             f"its first message names something this nbddp (protocol {P.PROTOCOL_VERSION}) "
             f"lacks ({type(exc).__name__}: {exc}): another nbddp version?"
         )
-    if isinstance(exc, wire.HandshakeError):
+    if isinstance(exc, handshake.HandshakeError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
 
@@ -70,7 +71,7 @@ class Listener:
         *,
         name: str = "nbddp",
         threads: int = AUTH_THREADS,
-        tls: wire.Tls | None = None,
+        tls: Tls | None = None,
     ) -> None:
         self.sock, self.token, self.on_peer, self.name = sock, token, on_peer, name
         self.tls = tls
@@ -181,7 +182,7 @@ class Listener:
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         try:
             tls = self.tls if sock.family != socket.AF_UNIX else None
-            conn = wire.server_handshake(sock, self.token, HANDSHAKE_TIMEOUT, tls)
+            conn = handshake.server_handshake(sock, self.token, HANDSHAKE_TIMEOUT, tls)
         except Exception as exc:  # anything a peer can make happen ends only this peer
             sock.close()
             self.refuse(peer, _why(exc))
@@ -189,7 +190,7 @@ class Listener:
         try:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise wire.HandshakeError("it took too long")
+                raise handshake.HandshakeError("it did not finish the handshake in time")
             raw = conn.recv_bytes(HELLO_LIMIT, timeout=left)
             hello = P.loads(raw)
         except TimeoutError:

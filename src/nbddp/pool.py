@@ -96,7 +96,7 @@ class Pool(PoolCalls):
         self.extra_env = dict(env or {})
         self.on_death = on_death  # "replace": a dead rank gets a new process; "restart": all
         # attached pools: ranks started elsewhere (torchrun) connect over TCP with ``token``
-        self.listen_on, self.token, self.tls = listen, token or b"", tls  # tls: wire.Tls
+        self.listen_on, self.token, self.tls = listen, token or b"", tls  # tls: Tls
         # new -> starting -> ready (cells run) -> lost (a death: the next cell starts anew)
         # -> starting ...; stop() -> closed
         self.state = "new"

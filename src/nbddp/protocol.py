@@ -1,9 +1,10 @@
 """The messages between the notebook and its workers, and the events a pool yields.
 
 Every message is a frozen dataclass. This module is the only place that turns
-them into bytes and back. Framing and authentication belong to
-:mod:`nbddp.wire` (a SHA-256 challenge in both directions, then frames with a
-MAC and a sequence number on TCP), so nothing here is ever decoded from a peer
+them into bytes and back. Authentication and framing belong to
+:mod:`nbddp.handshake` (a SHA-256 challenge in both directions) and
+:mod:`nbddp.wire` (frames with a MAC and a sequence number on TCP), so nothing
+here is ever decoded from a peer
 that has not proven it holds the pool's key, nor from a frame that failed its
 check. Decoding is restricted too (:func:`loads`): only this module's message
 classes and plain data (numbers, strings, bytes, tuples, lists, dicts, sets)

@@ -55,11 +55,12 @@ import threading
 import time
 import traceback
 
+from . import handshake
 from . import protocol as P
-from . import wire
 from .listener import Listener
 from .private import hold, private_folder, sweep
 from .streams import CHUNK, Stream
+from .tls import Tls
 from .wire import Channel
 
 __all__ = ["Relay", "socket_path", "start", "wanted"]
@@ -100,11 +101,11 @@ def start(
     notebook: tuple,
     token: bytes,
     timeout: float = START_TIMEOUT,
-    tls: wire.Tls | None = None,
+    tls: Tls | None = None,
 ) -> int:
     """Listen on ``path`` and fork the relay, detached from this process's tree.
 
-    ``notebook`` is ``(address, family)`` as :func:`nbddp.wire.connect` takes it
+    ``notebook`` is ``(address, family)`` as :func:`nbddp.handshake.connect` takes it
     (``tls``: the notebook attached with --tls). The socket is bound before this
     returns, so the host's ranks may connect at once; the relay authenticates them
     once it reached the notebook. Returns the relay's pid.
@@ -151,12 +152,12 @@ def serve(
     token: bytes,
     timeout: float,
     folder: str,
-    tls: wire.Tls | None = None,
+    tls: Tls | None = None,
 ) -> int:
     """The relay's life: reach the notebook, then carry traffic until it ends."""
     try:
         try:
-            up = wire.connect(*notebook, token, timeout=timeout, tls=tls)
+            up = handshake.connect(*notebook, token, timeout=timeout, tls=tls)
             up.send_bytes(P.dumps(P.RelayHello(socket.gethostname(), os.getpid())))
         except (OSError, EOFError) as exc:
             where = notebook[0] if isinstance(notebook[0], str) else "{}:{}".format(*notebook[0])

@@ -12,10 +12,40 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import os
+import ssl
 
-from .wire import Tls
+__all__ = ["Tls", "make_server_tls", "pinned_client_tls"]
 
-__all__ = ["make_server_tls", "pinned_client_tls"]
+
+class Tls:
+    """What TLS needs on one side: the server's certificate and key (PEM), or the client's
+    pinned SHA-256 of the server's certificate (hex)."""
+
+    def __init__(self, *, cert: bytes = b"", key: bytes = b"", pin: str = "") -> None:
+        self.pin = pin.lower()
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if cert else ssl.PROTOCOL_TLS_CLIENT)
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if cert:
+            _load_pem(self.context, cert, key)
+        else:  # trust is the pin, checked after the handshake; no CA, no host name
+            self.context.check_hostname = False
+            self.context.verify_mode = ssl.CERT_NONE
+
+
+def _load_pem(context: ssl.SSLContext, cert: bytes, key: bytes) -> None:
+    """ssl loads certificates only from files: a private folder, removed at once."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="nbddp-tls-") as folder:  # mode 0700
+        paths = []
+        for name, data in (("cert.pem", cert), ("key.pem", key)):
+            path = os.path.join(folder, name)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            paths.append(path)
+        context.load_cert_chain(*paths)
 
 
 def make_server_tls() -> tuple[Tls, str]:

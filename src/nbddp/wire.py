@@ -1,32 +1,20 @@
-"""Every nbddp connection: a SHA-256 handshake, then authenticated frames.
+"""Authenticated frames: what every nbddp connection carries after its handshake.
 
 One implementation for the notebook, the ranks, the host relays and detached
-pools. Nothing a peer sends is decoded before it proved it holds the token, and
-on TCP nothing after that is decoded before its frame's MAC was checked.
-
-The handshake (the listening side is the *server*)::
-
-    S -> C   MAGIC, mode, nonce_s                     (in the clear)
-             mode "tls": both sides wrap the socket in TLS here; the client
-             pins the certificate's SHA-256 from its token file
-    C -> S   nonce_c, HMAC(token, "client" | transcript)
-    S -> C   OK, HMAC(token, "server" | transcript)   (or REFUSED, and it closes)
-
-Both sides prove the token and neither reveals it; both nonces are fresh, so
-a recorded handshake cannot be replayed. The client decides the mode it
-accepts from its own knowledge (a TCP address must be "mac" or "tls"; a token
-file that pins a certificate must be "tls"), so a changed mode byte can only
-make the handshake fail, never downgrade it.
+pools (:mod:`nbddp.handshake` makes a :class:`Channel` once the peer proved it
+holds the token). On TCP nothing is decoded before its frame's MAC was checked.
 
 Frames: ``seq`` (u64) and ``length`` (u64), then the payload. On TCP without
 TLS ("mac" mode) the header is followed by a 16-byte MAC of the header and the
 payload by a 32-byte MAC of header and payload, each HMAC-SHA256 with a key of
-that direction derived from the token and both nonces. A frame whose MAC is
-wrong (changed, injected) or whose sequence number is not the next one
-(replayed, reordered) closes the connection with :class:`FrameError`, before
-its payload is read further or decoded. The header's own MAC is checked before
-anything is allocated for the payload, so only a peer that holds the key can
-make the reader allocate, and then at most :data:`MAX_FRAME` bytes.
+that direction derived from the token and both nonces of the handshake. A
+frame whose MAC is wrong (changed, injected) or whose sequence number is not
+the next one (replayed, reordered) closes the connection with
+:class:`FrameError`, before its payload is read further or decoded. The
+header's own MAC is checked before anything is allocated for the payload, so
+only a peer that holds the key can make the reader allocate, and then at most
+:data:`MAX_FRAME` bytes. A big frame is hashed piece by piece as it is sent
+and as it arrives.
 
 Unix sockets skip the MACs ("plain" mode): they live in folders of mode 0700,
 so only the user's own processes can reach them, and those could read the
@@ -39,7 +27,6 @@ import contextlib
 import hashlib
 import hmac
 import os
-import secrets
 import select
 import socket
 import ssl
@@ -47,22 +34,8 @@ import struct
 import threading
 import time
 
-__all__ = [
-    "MAX_FRAME",
-    "Channel",
-    "FrameError",
-    "HandshakeError",
-    "Refused",
-    "Tls",
-    "client_handshake",
-    "connect",
-    "server_handshake",
-]
+__all__ = ["HEADER", "HEADER_TAG", "MAX_FRAME", "STALL", "TAG", "Channel", "FrameError"]
 
-MAGIC = b"nbddp-w1"
-MODES = {b"p": "plain", b"m": "mac", b"t": "tls"}
-NONCE = 32
-OK, REFUSED = b"\x01", b"\x00"
 HEADER = struct.Struct("!QQ")  # sequence number, payload length
 HEADER_TAG = 16  # bytes of the header's MAC kept
 TAG = 32
@@ -72,195 +45,8 @@ SMALL = 1 << 16  # frames up to this size go out in one write
 PIECE = 1 << 20  # a big frame is hashed and sent in pieces of this size
 
 
-class HandshakeError(ConnectionError):
-    """The peer did not complete the handshake (wrong token, another protocol, too slow)."""
-
-
-class Refused(HandshakeError):
-    """The server refused this client's token."""
-
-
 class FrameError(ConnectionError):
     """A frame failed its check: the connection is closed, the reason says why."""
-
-
-class Tls:
-    """What TLS needs on one side: the server's certificate and key (PEM), or the client's
-    pinned SHA-256 of the server's certificate (hex)."""
-
-    def __init__(self, *, cert: bytes = b"", key: bytes = b"", pin: str = "") -> None:
-        self.pin = pin.lower()
-        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if cert else ssl.PROTOCOL_TLS_CLIENT)
-        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
-        if cert:
-            _load_pem(self.context, cert, key)
-        else:  # trust is the pin, checked after the handshake; no CA, no host name
-            self.context.check_hostname = False
-            self.context.verify_mode = ssl.CERT_NONE
-
-
-def _load_pem(context: ssl.SSLContext, cert: bytes, key: bytes) -> None:
-    """ssl loads certificates only from files: a private folder, removed at once."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="nbddp-tls-") as folder:  # mode 0700
-        paths = []
-        for name, data in (("cert.pem", cert), ("key.pem", key)):
-            path = os.path.join(folder, name)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            paths.append(path)
-        context.load_cert_chain(*paths)
-
-
-# ---------------------------------------------------------------- the handshake
-
-
-def server_handshake(
-    sock: socket.socket, token: bytes, timeout: float, tls: Tls | None = None
-) -> Channel:
-    """Authenticate the peer that connected on ``sock``; the whole handshake takes at most
-    ``timeout`` seconds, however the peer paces its bytes. Raises HandshakeError."""
-    deadline = time.monotonic() + timeout
-    mode = b"p" if sock.family == socket.AF_UNIX else b"t" if tls else b"m"
-    nonce_s = secrets.token_bytes(NONCE)
-    sock.setblocking(False)
-    _send_all(sock, MAGIC + mode + nonce_s, deadline)
-    if tls:  # (the TLS socket takes the socket over: it is the one to close on failure)
-        sock = tls.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-        try:
-            return _server_proof(_wrap(sock, deadline), token, mode, nonce_s, deadline)
-        except BaseException:
-            sock.close()
-            raise
-    return _server_proof(sock, token, mode, nonce_s, deadline)
-
-
-def _server_proof(sock, token: bytes, mode: bytes, nonce_s: bytes, deadline: float) -> Channel:
-    answer = _recv_exact(sock, NONCE + TAG, deadline)
-    nonce_c, proof = answer[:NONCE], answer[NONCE:]
-    transcript = MAGIC + mode + nonce_s + nonce_c
-    if not hmac.compare_digest(proof, _mac(token, b"client", transcript)):
-        with contextlib.suppress(OSError, HandshakeError):
-            _send_all(sock, REFUSED, deadline)
-        raise HandshakeError("it did not prove it holds the token (a wrong token?)")
-    _send_all(sock, OK + _mac(token, b"server", transcript), deadline)
-    return Channel(sock, MODES[mode], _keys(token, transcript, server=True))
-
-
-def client_handshake(
-    sock: socket.socket, token: bytes, timeout: float, tls: Tls | None = None
-) -> Channel:
-    """Authenticate to the server on ``sock`` and make it prove the token too."""
-    deadline = time.monotonic() + timeout
-    sock.setblocking(False)
-    head = _recv_exact(sock, len(MAGIC) + 1 + NONCE, deadline)
-    if head[: len(MAGIC)] != MAGIC:
-        raise HandshakeError("the peer does not speak this nbddp's protocol")
-    mode, nonce_s = head[len(MAGIC) : len(MAGIC) + 1], head[len(MAGIC) + 1 :]
-    expected = b"t" if tls else b"p" if sock.family == socket.AF_UNIX else b"m"
-    if mode != expected:
-        raise HandshakeError(_mode_mismatch(mode, expected))
-    if not tls:
-        return _client_proof(sock, token, mode, nonce_s, deadline)
-    sock = tls.context.wrap_socket(sock, do_handshake_on_connect=False)
-    try:  # (the TLS socket took the socket over: it is the one to close on failure)
-        _wrap(sock, deadline)
-        seen = hashlib.sha256(sock.getpeercert(binary_form=True) or b"").hexdigest()
-        if not hmac.compare_digest(seen, tls.pin):
-            raise HandshakeError(
-                f"the notebook's certificate (sha256 {seen[:16]}...) is not the one the token "
-                f"file pins ({tls.pin[:16]}...): not the notebook, or a token file of another pool"
-            )
-        return _client_proof(sock, token, mode, nonce_s, deadline)
-    except BaseException:
-        sock.close()
-        raise
-
-
-def _mode_mismatch(mode: bytes, expected: bytes) -> str:
-    if mode == b"t" and expected == b"m":
-        return (
-            "the notebook uses TLS (attach --tls) but this token file pins no certificate: "
-            "a token file read before that attach?"
-        )
-    if mode == b"m" and expected == b"t":
-        return (
-            "the notebook does not use TLS but this token file pins a certificate: "
-            "the token file of another pool?"
-        )
-    return f"the notebook speaks mode {mode!r}, not {MODES.get(expected)}"
-
-
-def _client_proof(sock, token: bytes, mode: bytes, nonce_s: bytes, deadline: float) -> Channel:
-    nonce_c = secrets.token_bytes(NONCE)
-    transcript = MAGIC + mode + nonce_s + nonce_c
-    _send_all(sock, nonce_c + _mac(token, b"client", transcript), deadline)
-    if _recv_exact(sock, 1, deadline) != OK:
-        raise Refused("the notebook refused this token")
-    proof = _recv_exact(sock, TAG, deadline)
-    if not hmac.compare_digest(proof, _mac(token, b"server", transcript)):
-        raise HandshakeError("the notebook did not prove it holds the token")
-    return Channel(sock, MODES[mode], _keys(token, transcript, server=False))
-
-
-def _mac(key: bytes, label: bytes, data: bytes) -> bytes:
-    return hmac.new(key, label + data, hashlib.sha256).digest()
-
-
-def _keys(token: bytes, transcript: bytes, server: bool) -> tuple[bytes, bytes]:
-    """(the key of what this side sends, the key of what it receives)."""
-    root = _mac(token, b"keys", transcript)
-    up, down = _mac(root, b"up", b""), _mac(root, b"down", b"")  # client -> server, back
-    return (down, up) if server else (up, down)
-
-
-def _wrap(sock: ssl.SSLSocket, deadline: float) -> ssl.SSLSocket:
-    while True:
-        try:
-            sock.do_handshake()
-            return sock
-        except ssl.SSLWantReadError:
-            _wait(sock, deadline, read=True)
-        except ssl.SSLWantWriteError:
-            _wait(sock, deadline, read=False)
-        except ssl.SSLError as exc:
-            raise HandshakeError(f"TLS: {exc.reason or exc}") from None
-
-
-def _wait(sock: socket.socket, deadline: float | None, read: bool) -> None:
-    """Wait until ``sock`` can be read (written); HandshakeError past ``deadline``."""
-    left = None if deadline is None else deadline - time.monotonic()
-    if left is not None and left <= 0:
-        raise HandshakeError("it did not finish the handshake in time")
-    r, w, _ = select.select([sock] if read else [], [] if read else [sock], [], left)
-    if not r and not w:
-        raise HandshakeError("it did not finish the handshake in time")
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        try:
-            k = sock.recv_into(view[got:], n - got)
-        except (BlockingIOError, ssl.SSLWantReadError):
-            _wait(sock, deadline, read=True)
-            continue
-        if not k:
-            raise HandshakeError("it closed the connection during the handshake")
-        got += k
-    return bytes(buf)
-
-
-def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[sock.send(view) :]
-        except (BlockingIOError, ssl.SSLWantWriteError):
-            _wait(sock, deadline, read=False)
 
 
 # ---------------------------------------------------------------- frames
@@ -477,35 +263,3 @@ class Channel:
             got += k
         view.release()
         return buf
-
-
-# ---------------------------------------------------------------- connecting
-
-HANDSHAKE_TIMEOUT = 5.0  # s the whole handshake may take, on either side
-
-
-def connect(
-    address, family: str, token: bytes, *, timeout: float = 60.0, tls: Tls | None = None
-) -> Channel:
-    """Connect to ``address`` (a path for AF_UNIX, ``(host, port)`` for AF_INET) and
-    authenticate, retrying while nothing listens there yet, for up to ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        sock = socket.socket(socket.AF_UNIX if family == "AF_UNIX" else socket.AF_INET)
-        try:
-            sock.settimeout(max(0.1, deadline - time.monotonic()))
-            sock.connect(address)
-            break
-        except (ConnectionRefusedError, FileNotFoundError):
-            sock.close()
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-        except BaseException:
-            sock.close()
-            raise
-    try:
-        return client_handshake(sock, token, HANDSHAKE_TIMEOUT, tls)
-    except BaseException:
-        sock.close()
-        raise

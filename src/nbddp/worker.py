@@ -35,10 +35,11 @@ import traceback
 import psutil
 import torch
 
-from . import debugger, relay, rich, wire, worker_shims
+from . import debugger, handshake, relay, rich, wire, worker_shims
 from . import protocol as P
 from .ddp import threads_for
 from .private import UnsafeFile, read_token_file
+from .tls import Tls
 from .worker_cell import CellInterrupts, CellRunner
 from .worker_code import adopt, error_info, run_code
 from .worker_control import Control, connect, connect_streams, flush_streams, parse_address
@@ -57,7 +58,7 @@ class Worker:
         address: str,
         token: bytes,
         relayed: bool = False,
-        tls: wire.Tls | None = None,
+        tls: Tls | None = None,
     ) -> None:
         env = os.environ
         self.address, self.token, self.tls = address, token, tls
@@ -182,7 +183,7 @@ class Worker:
 # ---------------------------------------------------------------- entry point
 
 
-def _read_token(path: str | None) -> tuple[bytes, wire.Tls | None]:
+def _read_token(path: str | None) -> tuple[bytes, Tls | None]:
     """The token, and TLS pinned to the notebook's certificate when the file names one."""
     if path:
         try:
@@ -194,7 +195,7 @@ def _read_token(path: str | None) -> tuple[bytes, wire.Tls | None]:
             raise SystemExit(msg) from None
         if not held.token:
             raise SystemExit(f"nbddp.worker: the token file {path} is empty")
-        return held.token, wire.Tls(pin=held.pin) if held.pin else None
+        return held.token, Tls(pin=held.pin) if held.pin else None
     token = os.environ.pop("NBDDP_TOKEN", "")
     if not token:
         raise SystemExit("nbddp.worker: no token: pass --token-file or set NBDDP_TOKEN")
@@ -208,7 +209,7 @@ def _extend_sys_path() -> None:
             sys.path.insert(1, path)
 
 
-def _through_relay(address: str, token: bytes, tls: wire.Tls | None) -> str:
+def _through_relay(address: str, token: bytes, tls: Tls | None) -> str:
     """The address of this host's relay; local rank 0 starts it (see nbddp.relay)."""
     path = relay.socket_path(address, token, os.environ)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         control = connect(address, token, args.connect_timeout, tls)
-    except wire.Refused:
+    except handshake.Refused:
         print(
             f"nbddp.worker: {where} refused this worker's token (is --token-file the notebook's?)",
             file=sys.stderr,

@@ -19,8 +19,9 @@ import threading
 import traceback
 from collections.abc import Callable
 
+from . import handshake, wire
 from . import protocol as P
-from . import wire
+from .tls import Tls
 from .wire import Channel
 
 __all__ = [
@@ -46,14 +47,12 @@ def parse_address(address: str) -> tuple[str | tuple[str, int], str]:
     return (host or "127.0.0.1", int(port)), "AF_INET"
 
 
-def connect(
-    address: str, token: bytes, timeout: float = 60.0, tls: wire.Tls | None = None
-) -> Channel:
+def connect(address: str, token: bytes, timeout: float = 60.0, tls: Tls | None = None) -> Channel:
     """Connect and authenticate, retrying until the listener is up or ``timeout`` passes
     (``tls``: for a TCP address of a pool attached with --tls)."""
     addr, family = parse_address(address)
     tls = tls if family == "AF_INET" else None
-    return wire.connect(addr, family, token, timeout=timeout, tls=tls)
+    return handshake.connect(addr, family, token, timeout=timeout, tls=tls)
 
 
 class Control:
@@ -127,7 +126,7 @@ class _LineWriter(io.TextIOWrapper):
         return self._name
 
 
-def connect_streams(address: str, token: bytes, rank: int, tls: wire.Tls | None = None) -> None:
+def connect_streams(address: str, token: bytes, rank: int, tls: Tls | None = None) -> None:
     """Make fds 1 and 2 connections to the notebook: C and C++ output reaches it too.
 
     On a Unix socket the fd is the socket itself: bytes go as they are written. On TCP
