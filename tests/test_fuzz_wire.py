@@ -74,7 +74,7 @@ def header(ch: wire.Channel, length: int, seq: int | None = None) -> bytes:
     """A frame's header claiming ``length`` bytes, as ``ch`` would send it (its MAC made with
     the channel's key on TCP): only a peer that holds the token can make one."""
     head = wire.HEADER.pack(ch._sent if seq is None else seq, length)
-    if ch._out_key:
+    if ch._out_key and length > wire.SMALL:  # (a small frame's one MAC follows its payload)
         head += hmac.new(ch._out_key, head, hashlib.sha256).digest()[: wire.HEADER_TAG]
     return head
 
@@ -200,7 +200,8 @@ def out_of_order(t: Target, rng: random.Random) -> socket.socket:
     ch = _authenticated(t)
     data = P.dumps(P.Hello(0, 1, 0, 1, 1, "fuzz", False))
     head = header(ch, len(data), seq=rng.randrange(1, 1 << 64))
-    send_raw(ch.sock, head + data + bytes(wire.TAG if ch._out_key else 0))
+    tag = hmac.new(ch._out_key, head + data, hashlib.sha256).digest() if ch._out_key else b""
+    send_raw(ch.sock, head + data + tag)
     return ch.sock
 
 

@@ -78,10 +78,8 @@ def mac_frame(ch: wire.Channel, seq: int, data: bytes) -> bytes:
     """The bytes of a frame numbered ``seq`` as ``ch`` (a "mac" channel) would send it: to
     replay one, or send one out of order."""
     header = wire.HEADER.pack(seq, len(data))
-    tag = hmac.new(ch._out_key, header, hashlib.sha256)
-    head = header + tag.digest()[: wire.HEADER_TAG]
-    tag.update(data)
-    return head + data + tag.digest()
+    assert len(data) <= wire.SMALL  # (one MAC, over header and payload, after the payload)
+    return header + data + hmac.new(ch._out_key, header + data, hashlib.sha256).digest()
 
 
 def raw_writer(ch: wire.Channel) -> socket.socket:

@@ -40,7 +40,7 @@ from nbddp.tls import make_server_tls
 from test_attach import end_all, lone_worker_env, start, worker_cmd
 
 TOKEN = secrets.token_hex(32).encode()
-HEAD = wire.HEADER.size + wire.HEADER_TAG  # a "mac" frame's header and its MAC
+HEAD = wire.HEADER.size  # a small frame's header (its one MAC comes after the payload)
 MODES = ["plain", "mac", "tls"]
 
 
@@ -163,21 +163,25 @@ def in_the_middle(mode: str):
 
 def read_frame(raw: socket.socket, mac: bool) -> bytes:
     """One whole frame as it travels, from a raw socket."""
-    head = recv_exact(raw, HEAD if mac else wire.HEADER.size)
+    head = recv_exact(raw, wire.HEADER.size)
     _, length = wire.HEADER.unpack_from(head)
+    if mac and length > wire.SMALL:  # a big frame's header has a MAC of its own
+        head += recv_exact(raw, wire.HEADER_TAG)
     return head + recv_exact(raw, length + (wire.TAG if mac else 0))
 
 
 def forged(seq: int, payload: bytes) -> bytes:
     """A frame of one's own: a well-formed header, random MACs (no key)."""
     header = wire.HEADER.pack(seq, len(payload))
-    return header + os.urandom(wire.HEADER_TAG) + payload + os.urandom(wire.TAG)
+    if len(payload) > wire.SMALL:
+        header += os.urandom(wire.HEADER_TAG)
+    return header + payload + os.urandom(wire.TAG)
 
 
 def header_of(sender: wire.Channel, seq: int, length: int) -> bytes:
     """A header ``sender`` could send (its MAC made with its key, in "mac" mode)."""
     header = wire.HEADER.pack(seq, length)
-    if sender.mode == "mac":
+    if sender.mode == "mac" and length > wire.SMALL:  # (a small frame's MAC follows it)
         header += hmac.new(sender._out_key, header, hashlib.sha256).digest()[: wire.HEADER_TAG]
     return header
 
@@ -453,7 +457,8 @@ def _swap_payload(frames, plant):
 
 
 def _change_length(frames, plant):
-    return [wire.HEADER.pack(0, len(plant)) + frames[0][wire.HEADER.size : HEAD] + plant]
+    # (the stream goes on: the next frame's bytes complete what the new length asks for)
+    return [wire.HEADER.pack(0, len(plant)) + plant + frames[0][-wire.TAG :], frames[1]]
 
 
 def _inject(frames, plant):
@@ -474,8 +479,12 @@ def _reflect(frames, plant):
 
 
 BAD = {
-    "flip a payload byte": (_flip_payload, 0, "failed its MAC check (changed on the way)"),
-    "swap the payload": (_swap_payload, 0, "failed its MAC check (changed on the way)"),
+    "flip a payload byte": (
+        _flip_payload,
+        0,
+        "failed its MAC check (changed or injected on the way)",
+    ),
+    "swap the payload": (_swap_payload, 0, "failed its MAC check (changed or injected on the way)"),
     "change the length": (_change_length, 0, "failed its MAC check (changed or injected"),
     "inject a frame": (_inject, 0, "failed its MAC check (changed or injected"),
     "replay a frame": (_replay, 1, "out of order (number 0, expected 1: replayed"),
@@ -693,8 +702,11 @@ def mitm_change_run(proxy, conn, direction, frame):
 
 
 MITM = {
-    "flip a byte of the Done": (mitm_flip_done, "a frame failed its MAC check (changed on"),
-    "change the Done": (mitm_change_done, "a frame failed its MAC check (changed on"),
+    "flip a byte of the Done": (
+        mitm_flip_done,
+        "a frame failed its MAC check (changed or injected on",
+    ),
+    "change the Done": (mitm_change_done, "a frame failed its MAC check (changed or injected on"),
     "inject a frame": (mitm_inject_before_done, "a frame failed its MAC check (changed or"),
     "replay the Hello": (mitm_replay_before_done, "a frame came out of order (number 0,"),
     "change the Run": (mitm_change_run, None),  # the rank closes: the notebook sees it go

@@ -5,16 +5,16 @@ pools (:mod:`nbddp.handshake` makes a :class:`Channel` once the peer proved it
 holds the token). On TCP nothing is decoded before its frame's MAC was checked.
 
 Frames: ``seq`` (u64) and ``length`` (u64), then the payload. On TCP without
-TLS ("mac" mode) the header is followed by a 16-byte MAC of the header and the
-payload by a 32-byte MAC of header and payload, each HMAC-SHA256 with a key of
-that direction derived from the token and both nonces of the handshake. A
-frame whose MAC is wrong (changed, injected) or whose sequence number is not
-the next one (replayed, reordered) closes the connection with
-:class:`FrameError`, before its payload is read further or decoded. The
-header's own MAC is checked before anything is allocated for the payload, so
-only a peer that holds the key can make the reader allocate, and then at most
-:data:`MAX_FRAME` bytes. A big frame is hashed piece by piece as it is sent
-and as it arrives.
+TLS ("mac" mode) the payload is followed by a 32-byte HMAC-SHA256 of header and
+payload, with a key of that direction derived from the token and both nonces of
+the handshake. A frame whose MAC is wrong (changed, injected) or whose sequence
+number is not the next one (replayed, reordered) closes the connection with
+:class:`FrameError`, and nothing of it is decoded. A frame of up to SMALL
+(64 KiB) bytes is read whole, then checked: no more than that is ever held
+unchecked. A bigger frame's header carries a 16-byte MAC of its own, checked
+before anything is allocated for the payload, so only a peer that holds the key
+can make the reader allocate, and then at most :data:`MAX_FRAME` bytes; its
+payload is hashed piece by piece as it is sent and as it arrives.
 
 Unix sockets skip the MACs ("plain" mode): they live in folders of mode 0700,
 so only the user's own processes can reach them, and those could read the
@@ -111,11 +111,11 @@ class Channel:
             if self._out_mac is not None:
                 tag = self._out_mac.copy()  # (the keyed state, made once)
                 tag.update(header)
-                header += tag.copy().digest()[:HEADER_TAG]
-                if len(data) <= SMALL:
+                if len(data) <= SMALL:  # one MAC: the reader holds at most SMALL unchecked
                     tag.update(data)
                     trailer = tag.digest()
-                else:
+                else:  # the header's own MAC first: nothing is allocated for a forged one
+                    header += tag.copy().digest()[:HEADER_TAG]
                     trailer = None  # (computed as it is sent)
             self._sent += 1
             if len(data) <= SMALL:
@@ -161,32 +161,32 @@ class Channel:
         limit = MAX_FRAME if maxlength is None else maxlength
         deadline = None if timeout is None else time.monotonic() + timeout
         mac = self._in_mac
-        head = self._read_exact(HEADER.size + (HEADER_TAG if mac else 0), deadline, ready)
+        head = self._read_exact(HEADER.size, deadline, ready)
         seq, length = HEADER.unpack_from(head)
-        if mac is not None:
-            tag = mac.copy()
-            tag.update(head[: HEADER.size])
-            if not hmac.compare_digest(tag.copy().digest()[:HEADER_TAG], head[HEADER.size :]):
-                raise self._fail("a frame failed its MAC check (changed or injected on the way)")
-        if seq != self._read:
-            raise self._fail(
-                f"a frame came out of order (number {seq}, expected {self._read}: "
-                "replayed or reordered on the way)"
-            )
-        if length > limit:
-            raise self._fail(f"a frame of {length:,} bytes is over the limit of {limit:,}")
         if mac is None:
+            self._check(seq, length, limit)
             data = self._read_exact(length, deadline, True, midframe=True)
-        elif length > SMALL:  # hashed piece by piece as it comes, then its MAC
+        elif length > SMALL:  # the header's MAC, then the payload hashed as it comes
+            tag = mac.copy()
+            tag.update(head)
+            head_tag = self._read_exact(HEADER_TAG, deadline, True, midframe=True)
+            if not hmac.compare_digest(tag.copy().digest()[:HEADER_TAG], head_tag):
+                raise self._fail("a frame failed its MAC check (changed or injected on the way)")
+            self._check(seq, length, limit)
             data = self._read_exact(length, deadline, True, midframe=True, hash_to=tag)
             if not hmac.compare_digest(tag.digest(), self._read_exact(TAG, deadline, True, True)):
                 raise self._fail("a frame failed its MAC check (changed on the way)")
-        else:  # the payload and its MAC in one read
+        else:  # the payload and its MAC in one read (at most SMALL bytes before the check)
             both = self._read_exact(length + TAG, deadline, True, midframe=True)
+            tag = mac.copy()
+            tag.update(head)
             with memoryview(both) as view:
                 tag.update(view[:length])
                 if not hmac.compare_digest(tag.digest(), view[length:]):
-                    raise self._fail("a frame failed its MAC check (changed on the way)")
+                    raise self._fail(
+                        "a frame failed its MAC check (changed or injected on the way)"
+                    )
+            self._check(seq, length, limit)
             if type(both) is bytes:
                 data = both[:length]
             else:
@@ -194,6 +194,16 @@ class Channel:
                 data = both
         self._read += 1
         return bytes(data) if length <= 1 << 20 and type(data) is not bytes else data
+
+    def _check(self, seq: int, length: int, limit: int) -> None:
+        """The frame is the next one, and not over the limit (its header authenticated)."""
+        if seq != self._read:
+            raise self._fail(
+                f"a frame came out of order (number {seq}, expected {self._read}: "
+                "replayed or reordered on the way)"
+            )
+        if length > limit:
+            raise self._fail(f"a frame of {length:,} bytes is over the limit of {limit:,}")
 
     def _fail(self, why: str) -> FrameError:
         self.close()
