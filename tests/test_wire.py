@@ -484,7 +484,7 @@ BAD = {
         0,
         "failed its MAC check (changed or injected on the way)",
     ),
-    "swap the payload": (_swap_payload, 0, "failed its MAC check (changed or injected on the way)"),
+    "swap the payload": (_swap_payload, 0, "failed its MAC check (changed or injected"),
     "change the length": (_change_length, 0, "failed its MAC check (changed or injected"),
     "inject a frame": (_inject, 0, "failed its MAC check (changed or injected"),
     "replay a frame": (_replay, 1, "out of order (number 0, expected 1: replayed"),
@@ -706,7 +706,7 @@ MITM = {
         mitm_flip_done,
         "a frame failed its MAC check (changed or injected on",
     ),
-    "change the Done": (mitm_change_done, "a frame failed its MAC check (changed or injected on"),
+    "change the Done": (mitm_change_done, "a frame failed its MAC check (changed or"),
     "inject a frame": (mitm_inject_before_done, "a frame failed its MAC check (changed or"),
     "replay the Hello": (mitm_replay_before_done, "a frame came out of order (number 0,"),
     "change the Run": (mitm_change_run, None),  # the rank closes: the notebook sees it go
