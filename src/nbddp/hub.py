@@ -263,7 +263,7 @@ class Hub:
                 conn.close()
                 return [*items, self._closed(rank, f"it sent what is not a message ({exc})")]
             return items
-        items = self._stream_items(rank, s, s.read())
+        items = self._stream_items(rank, s, s.read(ready=True))
         if s.eof:
             self.unwatch(fd)
         if s.failed:  # its rank cannot be trusted with the rest: it is gone

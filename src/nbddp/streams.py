@@ -35,10 +35,11 @@ class Stream:
         self._held = ""
         self.eof = False
 
-    def read_bytes(self) -> bytes | None:
-        """What one read gives (at most CHUNK bytes; b"": the end); None: nothing yet."""
+    def read_bytes(self, ready: bool = False) -> bytes | None:
+        """What one read gives (at most CHUNK bytes; b"": the end); None: nothing yet.
+        ``ready``: a select said the stream is readable."""
         if self.framed:
-            return self._read_frames()
+            return self._read_frames(ready)
         try:
             return os.read(self.fd, CHUNK)
         except BlockingIOError:
@@ -46,17 +47,18 @@ class Stream:
         except OSError:
             return b""
 
-    def _read_frames(self) -> bytes | None:
-        """The frames that came (a frame that fails its check ends the stream)."""
+    def _read_frames(self, ready: bool) -> bytes | None:
+        """A frame (``ready``: the selector will say when there is more), or every frame
+        already here; a frame that fails its check ends the stream."""
         if self.conn.closed:
             return b""
-        if not self.conn.poll(0):
+        if not ready and not self.conn.poll(0):
             return None
         parts = []
         try:
             while len(parts) < 16:
                 parts.append(self.conn.recv_bytes(ready=True))
-                if not self.conn.poll(0):
+                if not self.conn.pending() and (ready or not self.conn.poll(0)):
                     break
         except (FrameError, TimeoutError) as exc:  # the end of it, and the rank's (hub)
             self.failed = str(exc) or "a frame stalled"
@@ -69,8 +71,8 @@ class Stream:
                 return b""
         return b"".join(parts)
 
-    def read(self) -> list[str | int]:
-        data = self.read_bytes()
+    def read(self, ready: bool = False) -> list[str | int]:
+        data = self.read_bytes(ready)
         return [] if data is None else self.feed(data)
 
     def feed(self, data: bytes) -> list[str | int]:
