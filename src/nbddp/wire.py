@@ -78,7 +78,9 @@ class Channel:
         self._tls_lock = threading.Lock() if mode == "tls" else None
         self.closed = False
         self.fd = sock.fileno()
-        sock.setblocking(False)
+        # a plain or MAC'd socket blocks (a wait for the next frame is one recv; a bounded
+        # wait tries MSG_DONTWAIT first); a TLS one does not (reads and writes share it)
+        sock.setblocking(mode != "tls")
         if sock.family != socket.AF_UNIX:  # frames go out one by one: no Nagle delays
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -132,6 +134,9 @@ class Channel:
                 self._write(tag.digest())
 
     def _write(self, data) -> None:
+        if self._tls_lock is None:
+            self.sock.sendall(data)
+            return
         view = memoryview(data)
         while view:
             try:
@@ -220,9 +225,11 @@ class Channel:
         """``n`` bytes; a wait is bounded by ``deadline``, else (``bounded``, or once some
         bytes came) by STALL, else not at all. ``hash_to``: an HMAC that takes each piece as
         it comes (a big frame is checked while it arrives, not after)."""
-        if self._tls_lock is None and n <= SMALL:  # most frames: one read, no copy
+        tls = self._tls_lock is not None
+        unbounded = deadline is None and not bounded and not midframe
+        if not tls and n <= SMALL:  # most frames: one read, no copy
             try:
-                first = self.sock.recv(n)
+                first = self.sock.recv(n, 0 if unbounded else socket.MSG_DONTWAIT)
             except BlockingIOError:
                 first = None
             except OSError:
@@ -245,16 +252,18 @@ class Channel:
             view[:got] = first
         while got < n:
             try:
-                if self._tls_lock is None:
-                    k = self.sock.recv_into(view[got:], n - got)
-                else:
+                if tls:
                     with self._tls_lock:
                         k = self.sock.recv_into(view[got:], n - got)
+                elif unbounded and not got:
+                    k = self.sock.recv_into(view[got:], n - got)
+                else:
+                    k = self.sock.recv_into(view[got:], n - got, socket.MSG_DONTWAIT)
             except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 if deadline is not None:
                     left = max(0.0, deadline - time.monotonic())
                 else:
-                    left = STALL if bounded or got else None
+                    left = STALL if bounded or got or midframe else None
                 if not select.select([self.fd], [], [], left)[0]:
                     if midframe or got:
                         self.close()
