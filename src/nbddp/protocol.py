@@ -360,15 +360,24 @@ class _Restricted(pickle.Unpickler):
     """Plain data and the classes of this module and of nbddp.events, nothing else."""
 
     def find_class(self, module: str, name: str):
-        if module == "builtins" and name in _PLAIN:
-            return getattr(builtins, name)
-        if module in (__name__, events.__name__):
-            found = getattr(sys.modules[module], name, None)
-            if isinstance(found, type) and dataclasses.is_dataclass(found):
-                return found
-            if found is None:  # a message this version lacks: another nbddp version
-                raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        found = _ALLOWED.get((module, name))
+        if found is not None:
+            return found
+        if module in (__name__, events.__name__) and not hasattr(sys.modules[module], name):
+            # a message this version lacks: another nbddp version
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
         raise pickle.UnpicklingError(f"a control message may not name {module}.{name}")
+
+
+def _allowed() -> dict:
+    """What a control message may name, by (module, name): looked up once each."""
+    out = {("builtins", n): getattr(builtins, n) for n in _PLAIN}
+    for module in (sys.modules[__name__], events):
+        for name, obj in vars(module).items():
+            ours = isinstance(obj, type) and obj.__module__ == module.__name__
+            if ours and dataclasses.is_dataclass(obj):
+                out[(module.__name__, name)] = obj
+    return out
 
 
 def loads_plain(data) -> object:
@@ -422,3 +431,6 @@ def split_markers(text: str) -> tuple[list[str | int], str]:
     if rest:
         pieces.append(rest)
     return pieces, tail
+
+
+_ALLOWED = _allowed()

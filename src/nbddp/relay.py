@@ -42,6 +42,7 @@ runs nothing), in authenticated frames (:mod:`nbddp.wire`) both ways::
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import pickle
@@ -168,6 +169,13 @@ def serve(
     finally:
         listener.close()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _is_done(data: bytes) -> bool:
+    """Whether a rank's message is its Done: decoded once for the host's ranks, which
+    end a cell with the same bytes."""
+    return isinstance(P.loads(data), P.Done)
 
 
 class _Stream(Stream):
@@ -300,11 +308,11 @@ class Relay:
             self._gone(rank)
             return
         try:
-            msg = P.loads(data)
+            done = _is_done(data)
         except Exception:  # not a message: this rank goes, the host's others stay
             self._gone(rank)
             return
-        if isinstance(msg, P.Done):  # it goes up after the rank's output
+        if done:  # it goes up after the rank's output
             self.waiting.discard(rank)
             self.ended.append((rank, data))
         else:
