@@ -813,7 +813,7 @@ def test_a_ranks_output_pump_never_blocks_once_its_connection_is_gone():
     t.join()
     server["ch"].close()
     read_end, write_end = os.pipe()
-    pump = threading.Thread(target=worker_control._pump, args=(read_end, channel), daemon=True)
+    pump = threading.Thread(target=worker_control._Pump(read_end, channel).run, daemon=True)
     pump.start()
     writer = threading.Thread(target=os.write, args=(write_end, b"x" * 300_000), daemon=True)
     writer.start()

@@ -131,7 +131,7 @@ def connect_streams(address: str, token: bytes, rank: int, tls: Tls | None = Non
 
     On a Unix socket the fd is the socket itself: bytes go as they are written. On TCP
     every byte must travel in an authenticated frame, so the fd is a pipe and a thread
-    sends what comes out of it, in frames (:func:`_pump`).
+    sends what comes out of it, in frames (:class:`_Pump`).
     """
     for fd, stream in ((1, "stdout"), (2, "stderr")):
         conn = connect(address, token, timeout=10, tls=tls)
@@ -200,10 +200,6 @@ class _Pump:
 
 
 _PUMPS: dict[int, _Pump] = {}  # fd 1 and 2 on TCP: their pumps
-
-
-def _pump(fd: int, conn: Channel) -> None:
-    _Pump(fd, conn).run()
 
 
 def write_marker(fd: int, marker: bytes) -> None:
