@@ -6,7 +6,10 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import psutil
@@ -52,6 +55,77 @@ def wait_gone(pids, timeout=10.0, zombies=True):
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)
+
+
+def start(cmd: list[str], log, env=None) -> subprocess.Popen:
+    """A process in a session of its own (``end_all`` ends its whole group)."""
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+
+
+def worker_cmd(connect: str, token_file, timeout: float = 60) -> list[str]:
+    """A rank started by hand, as the printed torchrun command runs it."""
+    return [
+        sys.executable,
+        "-m",
+        "nbddp.worker",
+        "--connect",
+        connect,
+        "--token-file",
+        str(token_file),
+        "--connect-timeout",
+        f"{timeout:g}",
+    ]
+
+
+def torchrun_node_cmd(
+    node: int, master: int, connect: str, token_file, nodes: int = 2, per_node: int = 2
+) -> list[str]:
+    """Node ``node`` of a torchrun job of ``nodes`` x ``per_node`` ranks that attach."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nodes),
+        "--node-rank",
+        str(node),
+        "--nproc-per-node",
+        str(per_node),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(master),
+        "-m",
+        "nbddp.worker",
+        "--connect",
+        connect,
+        "--token-file",
+        str(token_file),
+    ]
+
+
+def lone_worker_env(world_size: int = 1, rank: int = 0) -> dict:
+    """torchrun's variables for a rank started by hand (rank 0 opens the group's store)."""
+    env = dict(
+        os.environ,
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+    )
+    env.pop("MASTER_PORT", None)
+    return env
+
+
+def end_all(procs) -> None:
+    """SIGKILL the process groups of ``procs`` still running."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 def free_port() -> int:

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
-from helpers import collect, free_port, wait_gone
+from helpers import (
+    collect,
+    end_all,
+    free_port,
+    lone_worker_env,
+    start,
+    torchrun_node_cmd,
+    wait_gone,
+    worker_cmd,
+)
 from nbddp import Pool, remote
 from nbddp.errors import CellFailed, PoolClosedError, PoolStartError
 from nbddp.pool import raise_for_end
@@ -24,46 +31,6 @@ def token_file(tmp_path):
     path = tmp_path / "nbddp" / "token"
     remote.read_or_create_token(str(path))
     return path
-
-
-def start(cmd: list[str], log, env=None) -> subprocess.Popen:
-    return subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-
-
-def worker_cmd(connect: str, token_file) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "nbddp.worker",
-        "--connect",
-        connect,
-        "--token-file",
-        str(token_file),
-        "--connect-timeout",
-        "60",
-    ]
-
-
-def lone_worker_env(world_size: int = 1, rank: int = 0) -> dict:
-    env = dict(
-        os.environ,
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-    )
-    env.pop("MASTER_PORT", None)
-    return env
-
-
-def end_all(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 def test_the_token_file_is_made_private_and_reused(tmp_path):
@@ -82,33 +49,7 @@ def test_two_torchrun_nodes_attach_and_stop_ends_them(token_file, tmp_path):
     address = pool.listen()
     master = free_port()
     logs = [open(tmp_path / f"node{i}.log", "wb") for i in range(2)]  # noqa: SIM115
-    nodes = [
-        start(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(i),
-                "--nproc-per-node",
-                "2",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(master),
-                "-m",
-                "nbddp.worker",
-                "--connect",
-                address,
-                "--token-file",
-                str(token_file),
-            ],
-            logs[i],
-        )
-        for i in range(2)
-    ]
+    nodes = [start(torchrun_node_cmd(i, master, address, token_file), logs[i]) for i in range(2)]
     try:
         pool.start()
         code = (

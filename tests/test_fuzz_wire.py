@@ -27,7 +27,6 @@ import select
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from helpers import collect
+from helpers import collect, lone_worker_env, worker_cmd
 from nbddp import Pool, relay, remote, wire
 from nbddp import handshake as HS
 from nbddp import listener as L
@@ -387,19 +386,6 @@ def silent_crowd(t: Target, lis: L.Listener, n: int, threads: int, good, monkeyp
 # ---------------------------------------------------------------- the notebook's listener
 
 
-def lone_worker_env() -> dict:
-    env = dict(
-        os.environ,
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-    )
-    env.pop("MASTER_PORT", None)
-    return env
-
-
 @pytest.fixture(scope="module")
 def lone(tmp_path_factory):
     """An attached pool of one rank, a real worker started by hand over TCP:
@@ -412,10 +398,12 @@ def lone(tmp_path_factory):
     address = pool.listen()
     host, port = address.rsplit(":", 1)
     log = open(tmp / "worker.log", "wb")  # noqa: SIM115
-    cmd = [sys.executable, "-m", "nbddp.worker", "--connect", address]
-    cmd += ["--token-file", str(token_file)]
     proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=lone_worker_env(), start_new_session=True
+        worker_cmd(address, token_file),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=lone_worker_env(),
+        start_new_session=True,
     )
     try:
         pool.start()

@@ -11,57 +11,25 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
-from helpers import collect, free_port, wait_gone
+from helpers import (
+    collect,
+    end_all,
+    free_port,
+    lone_worker_env,
+    start,
+    torchrun_node_cmd,
+    wait_gone,
+    worker_cmd,
+)
 from nbddp import Pool, remote
 from nbddp.private import read_token_file
 from nbddp.tls import make_server_tls
-
-
-def start(cmd: list[str], log, env=None) -> subprocess.Popen:
-    return subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-
-
-def worker_cmd(connect: str, token_file, timeout: float = 60) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "nbddp.worker",
-        "--connect",
-        connect,
-        "--token-file",
-        str(token_file),
-        "--connect-timeout",
-        str(timeout),
-    ]
-
-
-def lone_worker_env() -> dict:
-    env = dict(
-        os.environ,
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-    )
-    env.pop("MASTER_PORT", None)
-    return env
-
-
-def end_all(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 @pytest.fixture
@@ -138,33 +106,7 @@ def test_two_torchrun_nodes_of_two_ranks_attach_over_tls_through_relays(tls_toke
     address = pool.listen()
     master = free_port()
     logs = [open(tmp_path / f"node{i}.log", "wb") for i in range(2)]  # noqa: SIM115
-    nodes = [
-        start(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(i),
-                "--nproc-per-node",
-                "2",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(master),
-                "-m",
-                "nbddp.worker",
-                "--connect",
-                address,
-                "--token-file",
-                str(path),
-            ],
-            logs[i],
-        )
-        for i in range(2)
-    ]
+    nodes = [start(torchrun_node_cmd(i, master, address, path), logs[i]) for i in range(2)]
     relays: list[int] = []
     try:
         pool.start()

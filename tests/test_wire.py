@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from IPython.core.error import UsageError
 
-from helpers import collect
+from helpers import collect, end_all, lone_worker_env, start, worker_cmd
 from nbddp import Pool, attaching, private, remote, wire
 from nbddp import handshake as HS
 from nbddp import protocol as P
@@ -37,7 +37,6 @@ from nbddp import tls as T
 from nbddp.errors import CellFailed
 from nbddp.pool import raise_for_end
 from nbddp.tls import make_server_tls
-from test_attach import end_all, lone_worker_env, start, worker_cmd
 
 TOKEN = secrets.token_hex(32).encode()
 HEAD = wire.HEADER.size  # a small frame's header (its one MAC comes after the payload)
@@ -992,7 +991,7 @@ def test_a_worker_reads_the_pin_and_refuses_another_notebook(tmp_path, server_tl
     address = pool.listen()
     try:
         out = subprocess.run(
-            [*worker_cmd(address, path)[:-2], "--connect-timeout", "5"],
+            worker_cmd(address, path, timeout=5),
             env=lone_worker_env(),
             capture_output=True,
             text=True,
