@@ -19,7 +19,6 @@ Whoever calls ``dumps`` removes the files once every receiver has loaded.
 
 from __future__ import annotations
 
-import fcntl
 import io
 import itertools
 import os
@@ -31,7 +30,7 @@ import tempfile
 import cloudpickle
 import torch
 
-from .private import remove_if_unheld
+from .private import hold, is_private_folder, remove_if_unheld
 
 __all__ = [
     "SHM_MIN_BYTES",
@@ -70,9 +69,8 @@ def locked_dir(base: str) -> str:
     # made and locked under a name the sweep never touches, then renamed: no one ever
     # sees it unlocked under its own name
     staging = tempfile.mkdtemp(prefix=".nbddp-new-", dir=base)
-    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+    fd = hold(staging)  # (just made: no one else holds it)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         path = os.path.join(base, f"nbddp-{os.getpid()}-{_LOCKED}{secrets.token_hex(8)}")
         os.rename(staging, path)
     except BaseException:
@@ -104,7 +102,7 @@ def private_dir(path: str) -> str:
         st = os.lstat(path)
     except FileNotFoundError:
         raise RuntimeError(f"nbddp's shared-memory folder {path} is gone") from None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+    if not is_private_folder(st):
         raise RuntimeError(
             f"refusing to write into {path}: not a private nbddp folder of this user "
             f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)})"

@@ -27,6 +27,7 @@ __all__ = [
     "UnsafeFile",
     "append_private",
     "hold",
+    "is_private_folder",
     "make_folder",
     "private_folder",
     "read_private",
@@ -58,12 +59,17 @@ def make_folder(path: str) -> str:
     return path
 
 
+def is_private_folder(st: os.stat_result) -> bool:
+    """``st`` (an lstat) is a folder of this user that nobody else can enter."""
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
 def private_folder(path: str) -> str:
     """Make ``path`` (0700) if missing; refuse it unless it is a folder of this user that
     nobody else can enter."""
     make_folder(path)
     st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+    if not is_private_folder(st):
         raise UnsafeFile(
             f"{path} is not a private folder of this user (owner uid {st.st_uid}, "
             f"mode {stat.filemode(st.st_mode)}): nbddp keeps nothing there"
