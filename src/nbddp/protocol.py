@@ -48,12 +48,12 @@ import builtins
 import dataclasses
 import io
 import pickle
-import re
 import sys
 from dataclasses import dataclass, field
 
 from . import events
 from .events import *  # noqa: F403 (the events a pool yields, as P.Output, ...)
+from .markers import end_marker, split_markers  # (the streams' end markers, as P.end_marker)
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -390,47 +390,6 @@ def loads(data) -> object:
     if type(msg) not in _MESSAGES:
         raise TypeError(f"not a protocol message: {type(msg).__name__}")
     return msg
-
-
-_MARKER_PREFIX = "\x00nbddp-end-"
-_MARKER_RE = re.compile("\x00nbddp-end-(\\d+)\x00")
-
-
-def _may_become_marker(tail: str) -> bool:
-    if _MARKER_PREFIX.startswith(tail):
-        return True
-    digits = tail[len(_MARKER_PREFIX) :]
-    return tail.startswith(_MARKER_PREFIX) and digits.isdigit() and len(digits) < 20
-
-
-def end_marker(cell: int) -> bytes:
-    """Bytes a worker writes into stdout and stderr when cell ``cell`` has ended."""
-    return f"\x00nbddp-end-{cell}\x00".encode()
-
-
-def split_markers(text: str) -> tuple[list[str | int], str]:
-    """Split decoded stream text into pieces of text and cell numbers of end markers.
-
-    Returns the pieces and a tail held back because it may be the start of a
-    marker whose rest has not arrived yet.
-    """
-    pieces: list[str | int] = []
-    pos = 0
-    for m in _MARKER_RE.finditer(text):
-        if m.start() > pos:
-            pieces.append(text[pos : m.start()])
-        pieces.append(int(m.group(1)))
-        pos = m.end()
-    rest = text[pos:]
-    cut = rest.rfind("\x00")
-    tail = rest[cut:] if cut != -1 else ""
-    if tail and _may_become_marker(tail):
-        rest = rest[:cut]
-    else:
-        tail = ""
-    if rest:
-        pieces.append(rest)
-    return pieces, tail
 
 
 _ALLOWED = _allowed()
