@@ -158,9 +158,9 @@ class Hub:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"!")
 
-    def arrive(self, conn: Channel, hello: object) -> None:
+    def arrive(self, conn: Channel, hello: object, _raw: bytes = b"") -> None:
         """A connection the listener authenticated (from its thread): attached at the
-        next pump, in the pump's thread."""
+        next pump, in the pump's thread (its first message's bytes are not needed here)."""
         self.arrived.put((conn, hello))
         self.wake()
 
@@ -250,9 +250,10 @@ class Hub:
         if s is None:
             conn, items = r.link.conn, []
             try:
-                items.append(Msg(rank, P.loads(conn.recv_bytes(ready=True))))
-                while conn.pending():  # TLS: frames already read and decrypted
+                while True:
                     items.append(Msg(rank, P.loads(conn.recv_bytes(ready=True))))
+                    if not conn.pending():  # (TLS: more already read and decrypted)
+                        return items
             except FrameError as exc:
                 return [*items, self._closed(rank, f"a frame failed its check: {exc}")]
             except TimeoutError as exc:
@@ -262,7 +263,6 @@ class Hub:
             except Exception as exc:  # a message this side cannot decode
                 conn.close()
                 return [*items, self._closed(rank, f"it sent what is not a message ({exc})")]
-            return items
         items = self._stream_items(rank, s, s.read(ready=True))
         if s.eof:
             self.unwatch(fd)

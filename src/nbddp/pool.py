@@ -238,8 +238,7 @@ class Pool(PoolCalls):
             self.address = os.path.join(self.procs.dir, "pool.sock")
             self.token = secrets.token_hex(32).encode()
             sock = bind_unix(self.address)
-        arrive = lambda c, h, _raw: self.hub.arrive(c, h)  # noqa: E731
-        self.listener = Listener(sock, self.token, arrive, tls=self.tls)
+        self.listener = Listener(sock, self.token, self.hub.arrive, tls=self.tls)
         self.roster.refuse = self.listener.refuse_line
         self.listener.start()
         return self.address
