@@ -22,12 +22,12 @@ CORE = {
 FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",
     "dashboard", "dashboard_html", "dashboard_widget", "sinks", "fold", "export", "demo",
-    "remote", "detaching", "reports",
+    "remote", "detaching", "reports", "magics_pool", "metric_store", "charts",
 }  # fmt: skip
 WORKER = {
     "worker", "worker_control", "worker_group", "worker_shims", "worker_cell",
     "worker_code", "ddp", "debugger", "profiling", "collectives", "rich", "mpl_backend",
-    "worker_copy",
+    "worker_copy", "metrics",
 }  # fmt: skip
 # shared by the notebook, the worker and the relay: the wire, errors as data, stacks, the
 # listener (the relay's is the notebook's), streams, shipped data, the launcher, the

@@ -20,6 +20,7 @@ from .errors import (
     RankFailed,
 )
 from .pool import Pool, RankStatus
+from .metrics import log_metrics
 from .rich import progress
 
 __version__ = "0.1.0"
@@ -41,6 +42,7 @@ __all__ = [
     "gather_tensors",
     "in_torchddp",
     "load_ipython_extension",
+    "log_metrics",
     "progress",
     "ranch",
     "unload_ipython_extension",

@@ -259,6 +259,9 @@ class Cell:
     def _progress(self, rank: int, msg: P.Progress):
         yield P.RankProgress(rank, msg.done, msg.total, msg.desc)
 
+    def _metrics(self, rank: int, msg: P.Metrics):
+        yield P.RankMetrics(rank, msg.series)
+
     def _debug(self, rank: int, msg: P.DebugPrompt):
         yield P.RankDebug(rank, msg.output, msg.prompt, msg.seq)
 
@@ -268,6 +271,7 @@ class Cell:
         P.StorePort: _store_port,
         P.Display: _display,
         P.Progress: _progress,
+        P.Metrics: _metrics,
         P.DebugPrompt: _debug,
     }
 

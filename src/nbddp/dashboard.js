@@ -1,5 +1,6 @@
 // nbddp's live dashboard (an anywidget view): the header and the rank rows come from the
-// kernel as HTML (the same HTML a finished cell keeps); the folded log is drawn here, for
+// kernel as HTML (the same HTML a finished cell keeps), the metric charts as inline SVG (the
+// same SVG a finished cell keeps); the folded log is drawn here, for
 // every rank or for one, picked in the list or by clicking a row.
 
 function ranges(set) {
@@ -19,6 +20,7 @@ function render({ model, el }) {
   root.className = "nbddp-dashboard nbddp-live";
   const header = document.createElement("div");
   const rows = document.createElement("div");
+  const charts = document.createElement("div");
   const controls = document.createElement("div");
   controls.style.cssText = "margin:4px 0;font-size:90%";
   const choose = document.createElement("select");
@@ -33,7 +35,7 @@ function render({ model, el }) {
   const pre = document.createElement("pre");
   pre.style.cssText = "margin:0;white-space:pre-wrap";
   pane.append(note, pre);
-  root.append(header, rows, controls, pane);
+  root.append(header, rows, charts, controls, pane);
   el.append(root);
 
   let shown = null; // the rank whose lines the log shows; null: every rank, folded
@@ -47,6 +49,9 @@ function render({ model, el }) {
   const drawTop = () => {
     header.innerHTML = model.get("header");
     rows.innerHTML = model.get("rows");
+  };
+  const drawCharts = () => {
+    charts.innerHTML = model.get("charts");
   };
   const drawLog = () => {
     const atEnd = pane.scrollHeight - pane.scrollTop - pane.clientHeight < 8;
@@ -85,6 +90,7 @@ function render({ model, el }) {
     ["change:ranks", drawChoices],
     ["change:header", drawTop],
     ["change:rows", drawTop],
+    ["change:charts", drawCharts],
     ["change:lines", drawLog],
     ["change:hidden", drawLog],
     ["change:focus", focus],
@@ -92,6 +98,7 @@ function render({ model, el }) {
   for (const [name, handler] of handlers) model.on(name, handler);
   drawChoices();
   drawTop();
+  drawCharts();
   drawLog();
   focus();
   return () => {

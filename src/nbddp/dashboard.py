@@ -21,9 +21,11 @@ from collections import deque
 
 from . import dashboard_html as H
 from . import protocol as P
+from .charts import charts_html, summary_line
 from .dashboard_html import FAILED_STATES, STATE_COLOURS
 from .dashboard_widget import flush_only_pending, new_widget
 from .fold import Folder, Group, Lines, rank_set
+from .metric_store import CellMetrics
 from .sinks import FOLD_WINDOW, Sink, TextSink, show_rich
 
 # the sinks' names as this module has always offered them, wherever they live now
@@ -51,6 +53,7 @@ class Dashboard:
     FROZEN_LINES = 1000  # lines each log of a finished cell's static view keeps
     ROWS = 16  # larger pools show a summary instead of a row per rank
     OWN_LOGS = 8  # larger pools keep only the notable ranks' own logs when frozen
+    CHART_INTERVAL = 1.0  # seconds at least between two drawings of the metric charts
 
     def __init__(
         self,
@@ -65,8 +68,11 @@ class Dashboard:
         hosts: dict[int, str] | None = None,
         fold: bool = True,
         window: float = FOLD_WINDOW,
+        metrics: CellMetrics | None = None,
     ) -> None:
         self.ranks = list(ranks)
+        self.metrics = metrics if metrics is not None else CellMetrics()
+        self._charts_drawn = float("-inf")
         self.world_size = world_size
         self.backend, self.devices = backend, devices
         self.keep, self.interval, self.clock = keep, interval, clock
@@ -127,6 +133,8 @@ class Dashboard:
                 self._take(self._fold.result(event))
         elif isinstance(event, P.RankProgress) and view is not None:
             view.progress = event
+        elif isinstance(event, P.RankMetrics):
+            self.metrics.add(event)
         elif isinstance(event, P.RankDisplay):
             show_rich(event)
         elif isinstance(event, P.RankWhere) and view is not None:
@@ -190,6 +198,12 @@ class Dashboard:
                     for g in itertools.islice(self.log, start, None)
                 ]
                 w.hidden = self.dropped + start
+            if self.metrics.dirty and (force or now - self._charts_drawn >= self.CHART_INTERVAL):
+                self._charts_drawn, self.metrics.dirty = now, False
+                w.charts = self.charts_html()
+
+    def charts_html(self) -> str:
+        return charts_html(self.metrics.charts(), self.metrics.label)
 
     def _header_html(self, now: float) -> str:
         facts = (self.backend, self.devices, self.status)
@@ -232,7 +246,10 @@ class Dashboard:
 
     def summary_text(self) -> str:
         title = f"nbddp: {len(self.ranks)} ranks, {self.status}"
-        return H.summary_text(self.views, title, self.ended or self.clock(), self.ROWS)
+        text = H.summary_text(self.views, title, self.ended or self.clock(), self.ROWS)
+        own = self.metrics.label
+        said = [summary_line(key, lines, own) for key, lines in self.metrics.charts()]
+        return "\n".join([text, *(line for line in said if line)])
 
     def summary_html(self, tail: int = 20, all_ranks: bool = False) -> str:
         """A static view for readers without a live kernel (saved notebooks, GitHub):
@@ -241,6 +258,7 @@ class Dashboard:
         rank's open; beyond OWN_LOGS ranks, only the failed, odd and slowest ranks')."""
         now = self.ended or self.clock()
         parts = [self._header_html(now), H.rows_html(self.views, self.hosts, now, self.ROWS)]
+        parts.append(self.charts_html())  # inline SVG: shown wherever HTML is
         if all_ranks and self.log:
             failed = any(v.state in FAILED_STATES for v in self.views.values())
             parts.append(H.all_log_html(self.log, self.dropped, tail, failed))

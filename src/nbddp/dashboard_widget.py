@@ -39,6 +39,7 @@ def _widget_class():
         rows = t.Unicode().tag(sync=True)
         lines = t.List().tag(sync=True)  # [rank set, stream, text], the live tail
         hidden = t.Int().tag(sync=True)  # lines before that tail
+        charts = t.Unicode().tag(sync=True)  # the metric charts, inline SVG
         focus = t.Int(-1).tag(sync=True)  # the rank whose log opens (the first failure)
 
         def __init__(self, **kwargs) -> None:

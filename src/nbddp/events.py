@@ -18,6 +18,7 @@ __all__ = [
     "RankDebug",
     "RankDisplay",
     "RankExit",
+    "RankMetrics",
     "RankProgress",
     "RankResult",
     "RankState",
@@ -93,6 +94,15 @@ class RankProgress:
     done: int
     total: int | None
     desc: str = ""
+
+
+@dataclass(frozen=True)
+class RankMetrics:
+    """A rank's ``log_metrics`` points: (run or None for the cell's own, name, steps,
+    values), steps and values as ``array`` bytes (:class:`nbddp.protocol.Metrics`)."""
+
+    rank: int
+    series: tuple[tuple[str | None, str, bytes, bytes], ...]
 
 
 @dataclass(frozen=True)

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from . import attaching, capture, detaching, export, profiling, reports, stacks
+from . import capture, export, profiling, stacks
 from . import protocol as P
 from .autocapture import AutoCapture
 from .dashboard import Dashboard, TextSink
 from .drive import drive
 from .errors import CaptureError, CellFailed, PoolClosedError, PoolStartError, RankFailed
+from .magics_pool import PoolCommands
+from .metric_store import CellMetrics
 from .options import (
     PARSERS,
     SUBCOMMANDS,
@@ -29,6 +30,7 @@ from .options import (
     ddp_copy,
     ddp_debug,
     ddp_export,
+    ddp_metrics,
     ddp_pull,
     ddp_push,
     ddp_run,
@@ -51,6 +53,7 @@ __all__ = [  # (the parsers too: the docs' magics reference is made from them)
     "ddp_copy",
     "ddp_debug",
     "ddp_export",
+    "ddp_metrics",
     "ddp_pull",
     "ddp_push",
     "ddp_run",
@@ -74,7 +77,7 @@ def one_line():
 
 
 @magics_class
-class DDPMagics(Magics):
+class DDPMagics(PoolCommands, Magics):
     """``%%ddp`` runs a cell on the pool; ``%ddp start|status|restart|stop|interrupt|push|pull``."""
 
     def __init__(self, shell) -> None:
@@ -108,99 +111,6 @@ class DDPMagics(Magics):
                     else f"%ddp needs a command: {', '.join(SUBCOMMANDS)} (or use %%ddp on a cell)"
                 )
             return getattr(self, f"_{command}")(rest)
-
-    # -- pool management
-
-    def _start(self, rest: str) -> None:
-        args = parse_argstring(ddp_start, rest)
-        if args.tee and not args.log_dir:
-            raise UsageError("--tee needs --log-dir: the other ranks' output would go nowhere")
-        auto_limit = capture.parse_size(args.auto_limit)
-        try:
-            gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
-        except ValueError:
-            raise UsageError(f"--gpus takes GPU numbers like 0,3, not {args.gpus!r}") from None
-        tee = capture.parse_ranks(args.tee) if args.tee else None
-        log_dir = os.path.abspath(os.path.expanduser(args.log_dir)) if args.log_dir else None
-        self.capture.on, self.capture.limit, self.tee = not args.no_auto, auto_limit, tee
-        self.session.release()
-        options = dict(
-            backend=args.backend,
-            start_method=args.start_method,
-            pg_timeout=args.timeout,
-            grace=args.grace,
-            device=args.device,
-            gpus=gpus,
-            seed=args.seed,
-            groups=args.groups,
-            mesh=args.mesh,
-            log_dir=log_dir,
-            debug=args.debug or None,
-            threads=args.threads,
-            on_death=args.on_death,
-        )
-        if args.detached:
-            self.session.use(detaching.start(args.detached, args.n, args.idle_timeout, options))
-        else:
-            self.session.want_pool(args.n, **options)
-
-    def _attach(self, rest: str) -> None:
-        """Wait for ranks started by torchrun elsewhere to connect, then use them."""
-        args = parse_argstring(ddp_attach, rest)
-        where = attaching.prepare(args)
-        self.session.release()
-        self.session.use(attaching.attach(args, *where))
-
-    def _status(self, rest: str) -> None:
-        """One row per rank: pid, host, device, state, uptime, memory."""
-        print(reports.status(self.pool))
-
-    def _stacks(self, rest: str) -> None:
-        """Every rank's current Python stack, grouped; and where the last stuck cell was."""
-        print(reports.stacks(self.pool))
-
-    def _restart(self, rest: str) -> None:
-        """New ranks with the same options (every rank's state is gone)."""
-        if self.pool is None:
-            raise UsageError("no pool to restart: start one with %ddp start or %%ddp")
-        if self.pool.attached:
-            raise UsageError("an attached pool restarts with torchrun: run it again, then attach")
-        t0 = time.perf_counter()
-        self.pool.restart()
-        say(
-            f"restarted {self.pool.world_size} ranks in {time.perf_counter() - t0:.2f} s "
-            "(their state is gone)"
-        )
-
-    def _stop(self, rest: str) -> None:
-        """End every rank and helper process of the pool (or of the detached pool NAME)."""
-        name = rest.strip()
-        if name and (self.pool is None or getattr(self.pool, "name", None) != name):
-            detaching.stop(name)
-        elif self.session.stop():
-            say(f"stopped the pool{' ' + name if name else ''}")
-
-    def _connect(self, rest: str) -> None:
-        """Connect to a detached pool: ``%ddp connect NAME [--force]``."""
-        args = parse_argstring(ddp_connect, rest)
-        self.session.release()
-        pool = detaching.connect(args.name, args.force)
-        self.session.use(pool)
-        if pool.resumed:  # a cell ran while no kernel was connected: its output and end
-            self._finish(pool, pool.resume(), self._sink(pool, None, text=False, quiet=False))
-
-    def _list(self, rest: str) -> None:
-        """This user's detached pools on this machine."""
-        print(detaching.table())
-
-    def _disconnect(self, rest: str) -> None:
-        """Leave the detached pool running and this kernel without a pool."""
-        detaching.disconnect(self.session)
-
-    def _interrupt(self, rest: str) -> None:
-        """Interrupt the running cell on every rank (as the stop button does)."""
-        if self.pool is not None:
-            self.pool.interrupt()
 
     # -- objects and scripts
 
@@ -251,6 +161,17 @@ class DDPMagics(Magics):
         ranks = capture.parse_ranks(args.ranks, pool.world_size)
         events = pool.run_script(args.script, args.args, keep=args.keep, ranks=ranks, tick=TICK)
         self._finish(pool, events, self._sink(pool, ranks, text=False, quiet=False))
+
+    def _metrics(self, rest: str):
+        args = parse_argstring(ddp_metrics, rest)
+        store = self.session.metrics
+        if args.clear:
+            store.clear()
+            return None
+        if args.name is not None and args.name not in store.names():
+            known = ", ".join(store.names()) or "none yet: nbddp.log_metrics in a %%ddp cell"
+            raise UsageError(f"no metric {args.name!r} was logged (logged: {known})")
+        return store.frame(args.name, args.run)
 
     def _export(self, rest: str) -> None:
         args = parse_argstring(ddp_export, rest)
@@ -307,9 +228,11 @@ class DDPMagics(Magics):
     def _sink(
         self, pool: Pool, ranks: list[int] | None, *, text: bool, quiet: bool, fold: bool = True
     ):
-        """The widget dashboard in a front end with widgets, else ``[rank N]`` lines."""
+        """The widget dashboard in a front end with widgets, else ``[rank N]`` lines; either
+        records the cell's metrics (labelled with the cell's ``In [N]``)."""
+        metrics = CellMetrics(self.session.metrics, f"In [{self.shell.execution_count}]")
         if quiet or text or getattr(self.shell, "kernel", None) is None:
-            return TextSink(quiet=quiet, hosts=pool.hosts, fold=fold)
+            return TextSink(quiet=quiet, hosts=pool.hosts, fold=fold, metrics=metrics)
         devices = sorted(set(pool.devices))
         return Dashboard(
             list(range(pool.world_size)) if ranks is None else ranks,
@@ -318,6 +241,7 @@ class DDPMagics(Magics):
             devices=", ".join(devices) if len(devices) <= 2 else f"{len(devices)} devices",
             hosts=pool.hosts,
             fold=fold,
+            metrics=metrics,
         ).show()
 
     def _finish(self, pool: Pool, events, sink, out: str | None = None, cell: bool = True):

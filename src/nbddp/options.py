@@ -34,6 +34,7 @@ SUBCOMMANDS = (
     "run",
     "export",
     "debug",
+    "metrics",
 )
 
 
@@ -216,6 +217,15 @@ def ddp_debug(line):
     """pdb where a rank's last failed cell raised, in its live namespace (post-mortem)."""
 
 
+@magic_arguments()
+@argument("name", nargs="?", help="only this metric (default: every one)")
+@argument("--run", help="only this run: a run=... name, or a cell's own (In [7])")
+@argument("--clear", action="store_true", help="forget every metric logged so far")
+def ddp_metrics(line):
+    """The points ``nbddp.log_metrics`` sent (``m = %ddp metrics``): a pandas DataFrame
+    with rank, step, name, value and run (a list of dicts without pandas)."""
+
+
 # ---------------------------------------------------------------- help, from the parsers
 
 PARSERS = {
@@ -229,6 +239,7 @@ PARSERS = {
     "%ddp run": ddp_run,
     "%ddp export": ddp_export,
     "%ddp debug": ddp_debug,
+    "%ddp metrics": ddp_metrics,
 }
 for _prog, _magic in PARSERS.items():
     # usage lines and errors say "%ddp start", not "%ddp_start" (IPython adds one "%")

@@ -67,6 +67,7 @@ __all__ = [
     "Hello",
     "Interrupt",
     "JoinGroup",
+    "Metrics",
     "Profile",
     "Progress",
     "Query",
@@ -210,6 +211,14 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class Metrics:
+    """``nbddp.log_metrics`` points since the last send: (run, name, steps, values) each,
+    the steps and values as the bytes of ``array("q")`` and ``array("d")``."""
+
+    series: tuple[tuple[str | None, str, bytes, bytes], ...]
+
+
+@dataclass(frozen=True)
 class DebugPrompt:
     """pdb on this rank wants a line: ``output`` is what it wrote since the last one."""
 
@@ -332,6 +341,7 @@ _MESSAGES = (
     Done,
     Display,
     Progress,
+    Metrics,
     DebugPrompt,
     StatusReply,
     Stacks,

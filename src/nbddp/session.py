@@ -13,6 +13,7 @@ import time
 import torch
 
 from .errors import NbddpError, PoolStartError
+from .metric_store import MetricStore
 from .pool import Pool
 
 __all__ = ["SESSION", "Refused", "Session", "default_pool", "default_world_size"]
@@ -36,11 +37,12 @@ def say(text: str) -> None:
 
 
 class Session:
-    """The notebook's pool and the options it was started with."""
+    """The notebook's pool, the options it was started with, and every metric logged."""
 
     def __init__(self) -> None:
         self.options: dict = {}
         self.pool: Pool | None = None
+        self.metrics = MetricStore()  # kept across pools: a restart loses no chart
 
     def use(self, pool: Pool | None, options: dict | None = None) -> None:
         """From now on ``pool`` (made with ``options``) is the one; the old one is stopped

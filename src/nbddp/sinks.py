@@ -19,11 +19,14 @@ from collections import deque
 from typing import Protocol, TextIO
 
 from . import protocol as P
+from .charts import summary_line
 from .fold import Folder, Group
+from .metric_store import CellMetrics
 
 __all__ = ["FOLD_WINDOW", "Sink", "TextSink", "columns", "show_rich"]
 
 FOLD_WINDOW = 0.25  # seconds a line waits for the same line from the other ranks
+METRICS_EVERY = 5.0  # seconds between two summaries of the cell's metrics (text)
 
 
 class Sink(Protocol):
@@ -50,7 +53,8 @@ def show_rich(event: P.RankDisplay) -> None:
 class TextSink:
     """Lines as ``[rank N] text`` (folded: ``[ranks 0-3] text``), live; the first ``head``
     folded lines as they come, then the last ``tail``; ``quiet`` holds them back unless a
-    rank fails, and then shows the failed ranks' lines."""
+    rank fails, and then shows the failed ranks' lines. Metrics (``log_metrics``) show as
+    one line per metric every ``METRICS_EVERY`` seconds and at the end."""
 
     def __init__(
         self,
@@ -64,8 +68,12 @@ class TextSink:
         hosts: dict[int, str] | None = None,
         clock=time.monotonic,
         window: float = FOLD_WINDOW,
+        metrics: CellMetrics | None = None,
     ) -> None:
         self.quiet = quiet
+        self.metrics = metrics if metrics is not None else CellMetrics()
+        self._clock = clock
+        self._metrics_said = clock()
         self.hosts = dict(hosts or {})
         self._fold = Folder((), window=window if fold else 0, clock=clock)
         self._head = head
@@ -105,7 +113,24 @@ class TextSink:
             self._stream("stdout").flush()
             self._stream("stderr").flush()
         else:
+            if isinstance(event, P.RankMetrics):
+                self.metrics.add(event)
             self._take(self._fold.due())
+        if self.metrics.dirty and self._clock() - self._metrics_said >= METRICS_EVERY:
+            self._say_metrics()
+
+    def _say_metrics(self) -> None:
+        """One line per metric the cell logged: where it stands now."""
+        self._metrics_said = self._clock()
+        self.metrics.dirty = False
+        if self.quiet:
+            return
+        self._take(self._fold.flush())
+        out = self._stream("stdout")
+        for key, lines in self.metrics.charts():
+            line = summary_line(key, lines, self.metrics.label)
+            if line is not None:
+                out.write(line + "\n")
 
     def _take(self, groups: list[Group]) -> None:
         for group in groups:
@@ -137,5 +162,7 @@ class TextSink:
             for group in self._tail:
                 self._write(group)
             self._tail.clear()
+        if self.metrics.dirty:
+            self._say_metrics()
         for out in (self._stream("stdout"), self._stream("stderr")):
             out.flush()

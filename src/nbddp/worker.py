@@ -35,7 +35,7 @@ import traceback
 import psutil
 import torch
 
-from . import debugger, handshake, relay, rich, wire, worker_shims
+from . import debugger, handshake, metrics, relay, rich, wire, worker_shims
 from . import protocol as P
 from .ddp import threads_for
 from .private import UnsafeFile, read_token_file
@@ -106,6 +106,7 @@ class Worker:
         worker_shims.install(self.group)
         signal.signal(signal.SIGINT, self.cells.on_sigint)
         rich.attach(self.send)
+        metrics.attach(self.send)
         self.debug = debugger.install(self.send, self.rank)
         self._hello()
         self.control.handle(self._handlers())

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from . import payload, profiling, rich
+from . import metrics, payload, profiling, rich
 from . import protocol as P
 from . import stacks as S
 from .ddp import DDPContext
@@ -157,6 +157,7 @@ class CellRunner:
 
     def run(self, msg: P.Run) -> None:
         rich.set_displaying(msg.display)
+        metrics.new_cell()
         self.cell, self.running = msg.cell, True
         try:
             out = self._execute(msg)
@@ -166,6 +167,7 @@ class CellRunner:
         try:
             self._finish(msg, out)
         except KeyboardInterrupt:  # raised by the user's own code, a __repr__ say: Done still
+            metrics.flush()
             self._end_streams(msg.cell)  # (a second end marker for a cell is ignored)
             self.send(P.Done(msg.cell, "interrupted", **self.changed_names()))
 
@@ -175,6 +177,7 @@ class CellRunner:
         if freed:  # freed from a collective, or done meanwhile:
             self.group.abort()  # close this rank's side too, so peers it talks to are freed
         self._show(out.value if out.status == "ok" else None)
+        metrics.flush()  # every point the cell logged, before its Done
         self._end_streams(msg.cell)
         done = self._done(msg, out.status, out.value, out.error)
         lost = not dist.is_initialized()  # the cell destroyed it: the pool forms a new one
