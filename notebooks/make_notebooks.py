@@ -57,18 +57,29 @@ QUICKSTART = [
         "x = torch.randn(256, 16, generator=g)\n"
         "y = x.sum(dim=1, keepdim=True)"
     ),
+    new_markdown_cell(
+        "`nbddp.log_metrics` draws each rank's loss curve in the cell's dashboard while "
+        "it trains (frozen into the saved notebook when the cell ends)."
+    ),
     new_code_cell(
         "%%ddp --out weights\n"
+        "import nbddp\n"
         "for step in range(50):\n"
         "    loss = torch.nn.functional.mse_loss(model(x.to(device)), y.to(device))\n"
         "    opt.zero_grad()\n"
         "    loss.backward()\n"
         "    opt.step()\n"
+        '    nbddp.log_metrics({"loss": loss.item()}, step=step)\n'
         "    if rank == 0 and step % 10 == 0:\n"
         '        print(f"step {step:2d}  loss {loss.item():.4f}")\n'
         "model.module.weight.detach().cpu()"
     ),
     new_code_cell("all(torch.equal(weights[0], w) for w in weights)  # the replicas agree"),
+    new_markdown_cell(
+        "Every point comes back with `%ddp metrics`: a pandas DataFrame (rank, step, name, "
+        "value, run), or a list of dicts without pandas."
+    ),
+    new_code_cell("m = %ddp metrics loss\nlen(m)  # 50 steps x 2 ranks"),
     new_markdown_cell(
         "## When a rank fails\n\n"
         "The cell fails with one error that names every failed rank and shows its "

@@ -19,8 +19,8 @@ from .errors import (
     RankDied,
     RankFailed,
 )
-from .pool import Pool, RankStatus
 from .metrics import log_metrics
+from .pool import Pool, RankStatus
 from .rich import progress
 
 __version__ = "0.1.0"

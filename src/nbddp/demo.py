@@ -27,11 +27,13 @@ x = torch.randn(256, 16, generator=g)
 y = x.sum(dim=1, keepdim=True)""",
     """\
 %%ddp --out weights
+import nbddp
 for step in range(50):
     loss = torch.nn.functional.mse_loss(model(x.to(device)), y.to(device))
     opt.zero_grad()
     loss.backward()
     opt.step()
+    nbddp.log_metrics({"loss": loss.item()}, step=step)  # a chart in a notebook
     if rank == 0 and step % 10 == 0:
         print(f"step {step:2d}  loss {loss.item():.4f}")
 model.module.weight.detach().cpu()""",
@@ -39,6 +41,9 @@ model.module.weight.detach().cpu()""",
 same = all(torch.equal(weights[0], w) for w in weights)
 print("replicas agree:", same)
 assert same""",
+    """\
+m = %ddp metrics loss
+print(f"{len(m)} loss points: {len(weights)} ranks x 50 steps")""",
     "%ddp status",
     "%ddp stop",
 ]

@@ -1,0 +1,157 @@
+"""What ``nbddp.log_metrics`` costs a training loop: ``python benchmarks/bench_metrics.py
+[--steps 100000] [--rounds 3] [--json FILE]``.
+
+A real kernel (jupyter_client) with the dashboard on, a pool of 4 ranks. Each rank runs
+the same loop of ``--steps`` small training steps (a 32x32 linear layer on a batch of 8:
+forward, backward, SGD; no collective, so nothing hides the cost), once without and
+once with ``nbddp.log_metrics({"loss": ..., "acc": ...}, step=i)`` every step; the two
+cells alternate ``--rounds`` times. Figures, medians over the rounds: each rank's loop
+time (the slowest rank's), the cell's wall time in the notebook (the dashboard drawing
+the charts included) and the kernel's iopub messages and bytes for the cell. Also the
+bare call (a loop that only logs) per call, on one rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from jupyter_client.manager import start_new_kernel
+
+RANKS = 4
+LOOP = """
+import time, torch, nbddp
+torch.manual_seed(rank)
+net = torch.nn.Linear(32, 32)
+opt = torch.optim.SGD(net.parameters(), lr=0.01)
+x, y = torch.randn(8, 32), torch.randn(8, 32)
+t0 = time.perf_counter()
+for i in range({steps}):
+    loss = ((net(x) - y) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    value = loss.item()
+    {log}
+time.perf_counter() - t0
+"""
+BARE = """
+import time, nbddp
+t0 = time.perf_counter()
+for i in range({steps}):
+    nbddp.log_metrics({{"loss": 0.5, "acc": 0.25}}, step=i, run="bare")
+(time.perf_counter() - t0) / {steps}
+"""
+
+
+def execute(kc, code: str, timeout: float = 900) -> tuple[dict, int, int]:
+    """Run ``code``; (the execute reply, iopub messages, iopub bytes) for it."""
+    msg_id = kc.execute(code)
+    count = size = 0
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        count += 1
+        size += len(json.dumps(msg["content"], default=str))
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    reply = kc.get_shell_msg(timeout=timeout)
+    if reply["content"]["status"] != "ok":
+        raise RuntimeError(f"cell failed: {reply['content'].get('evalue')}")
+    return reply, count, size
+
+
+def values(kc, name: str) -> list[float]:
+    msg_id = kc.execute(f"print(repr({name}))")
+    out = ""
+    while True:
+        msg = kc.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            out += msg["content"]["text"]
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    kc.get_shell_msg(timeout=60)
+    return eval(out)  # a list of floats the kernel printed
+
+
+def one(kc, steps: int, log: bool) -> dict:
+    line = 'nbddp.log_metrics({"loss": value, "acc": 1 / (1 + value)}, step=i)' if log else ""
+    code = f"%%ddp -n {RANKS} --out loop_s\n" + LOOP.format(steps=steps, log=line or "pass")
+    t0 = time.perf_counter()
+    _, count, size = execute(kc, code)
+    wall = time.perf_counter() - t0
+    loops = values(kc, "loop_s")
+    return {"loop_s": max(loops), "cell_s": wall, "iopub": count, "iopub_bytes": size}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        execute(kc, f"import sys; assert sys.executable == {sys.executable!r}, sys.executable")
+        execute(kc, "%load_ext nbddp")
+        execute(kc, f"%%ddp -n {RANKS}\nimport torch, nbddp")  # the pool, started
+        runs: dict[str, list[dict]] = {"without": [], "with": []}
+        for r in range(args.rounds):
+            for kind in ("without", "with") if r % 2 == 0 else ("with", "without"):
+                row = one(kc, args.steps, kind == "with")
+                runs[kind].append(row)
+                print(
+                    f"round {r} {kind:>7}: loop {row['loop_s']:.2f} s, cell {row['cell_s']:.2f} s,"
+                    f" iopub {row['iopub']} messages / {row['iopub_bytes'] / 1e3:.0f} kB",
+                    flush=True,
+                )
+        execute(kc, f"%%ddp -n {RANKS} --ranks 0 --out per_call\n" + BARE.format(steps=200_000))
+        bare = values(kc, "per_call")[0]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+    med = {
+        kind: {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+        for kind, rows in runs.items()
+    }
+    ratio_loop = med["with"]["loop_s"] / med["without"]["loop_s"]
+    ratio_cell = med["with"]["cell_s"] / med["without"]["cell_s"]
+    per_step_us = med["without"]["loop_s"] / args.steps * 1e6
+    print(
+        f"\n{args.steps:,} steps x {RANKS} ranks, medians of {args.rounds}:"
+        f"\n  a step without logging: {per_step_us:.1f} us"
+        f"\n  loop  without {med['without']['loop_s']:.2f} s, with {med['with']['loop_s']:.2f} s:"
+        f" ratio {ratio_loop:.3f}"
+        f"\n  cell  without {med['without']['cell_s']:.2f} s, with {med['with']['cell_s']:.2f} s:"
+        f" ratio {ratio_cell:.3f}"
+        f"\n  iopub without {med['without']['iopub']:.0f}, with {med['with']['iopub']:.0f} messages"
+        f" ({med['with']['iopub_bytes'] / 1e3:.0f} kB with)"
+        f"\n  one log_metrics call, two metrics, alone: {bare * 1e6:.2f} us"
+    )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "steps": args.steps,
+                    "ranks": RANKS,
+                    "rounds": runs,
+                    "median": med,
+                    "ratio_loop": ratio_loop,
+                    "ratio_cell": ratio_cell,
+                    "step_us": per_step_us,
+                    "call_us": bare * 1e6,
+                },
+                indent=2,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
