@@ -22,7 +22,9 @@ from helpers import (
     worker_cmd,
 )
 from nbddp import Pool, remote
+from nbddp import protocol as P
 from nbddp.errors import CellFailed, PoolClosedError, PoolStartError
+from nbddp.metric_store import CellMetrics
 from nbddp.pool import raise_for_end
 
 
@@ -75,6 +77,7 @@ def test_two_torchrun_nodes_attach_and_stop_ends_them(token_file, tmp_path):
         assert next(iter(end.errors)) == 2
         assert "re-formed" in end.notes[0]
         assert pool.execute("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == [4.0] * 4
+        assert metrics_of(pool) == {r: [r * 100.0 + i for i in range(300)] for r in range(4)}
         pool.stop()
         assert [n.wait(60) for n in nodes] == [0, 0]  # torchrun ends cleanly
     finally:
@@ -99,6 +102,21 @@ def lone(token_file, tmp_path):
         pool.stop()
         end_all([proc])
         log.close()
+
+
+def metrics_of(pool) -> dict[int, list[float]]:
+    """Each rank logs 300 points (rank * 100 + step): what the notebook holds of them."""
+    cell = CellMetrics(label="c")
+    code = "import nbddp\nfor i in range(300):\n    nbddp.log_metrics({'m': rank * 100.0 + i})"
+    for event in pool.run(code):
+        if isinstance(event, P.RankMetrics):
+            cell.add(event)
+    return {r: line.values.tolist() for r, line in cell.store.lines[("c", "m")].items()}
+
+
+def test_a_direct_tcp_rank_sends_its_metrics_in_frames(lone):
+    pool, _address, _proc = lone
+    assert metrics_of(pool) == {0: [float(i) for i in range(300)]}
 
 
 def test_a_worker_with_the_wrong_token_is_refused_and_says_why(lone, tmp_path):

@@ -90,7 +90,7 @@ __all__ = [
     *events.__all__,
 ]
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6  # 6: Metrics
 
 
 # ---------------------------------------------------------------- data
@@ -330,30 +330,14 @@ class Shutdown:
 
 # ---------------------------------------------------------------- encoding
 
-_MESSAGES = (
-    Hello,
-    StreamHello,
-    RelayHello,
-    StorePort,
-    Ready,
-    ReformFailed,
-    Fatal,
-    Done,
-    Display,
-    Progress,
-    Metrics,
-    DebugPrompt,
-    StatusReply,
-    Stacks,
-    JoinGroup,
-    Run,
-    DebugInput,
-    Interrupt,
-    AbortGroup,
-    Reform,
-    Query,
-    StackQuery,
-    Shutdown,
+# every message class above (ErrorInfo, Profile and Script are parts of messages)
+_MESSAGES = tuple(
+    obj
+    for obj in list(globals().values())
+    if isinstance(obj, type)
+    and obj.__module__ == __name__
+    and dataclasses.is_dataclass(obj)
+    and obj not in (ErrorInfo, Profile, Script)
 )
 
 

@@ -171,10 +171,17 @@ def serve(
         shutil.rmtree(folder, ignore_errors=True)
 
 
-@functools.lru_cache(maxsize=16)
 def _is_done(data: bytes) -> bool:
-    """Whether a rank's message is its Done: decoded once for the host's ranks, which
-    end a cell with the same bytes."""
+    """Whether a rank's message is its Done: a small one decoded once for the host's
+    ranks, which end a cell with the same bytes (big ones, a value or a batch of
+    metrics, are not kept)."""
+    if len(data) > 4096:
+        return isinstance(P.loads(data), P.Done)
+    return _is_small_done(data)
+
+
+@functools.lru_cache(maxsize=16)
+def _is_small_done(data: bytes) -> bool:
     return isinstance(P.loads(data), P.Done)
 
 
