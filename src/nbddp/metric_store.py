@@ -26,12 +26,13 @@ Key = tuple[str, str]  # (run, metric name)
 class Line:
     """One rank's points of one metric: all kept, and a view of about POINTS for charts."""
 
-    __slots__ = ("_buckets", "_done", "_width", "nonfinite", "steps", "values")
+    __slots__ = ("_buckets", "_done", "_kept", "_width", "nonfinite", "steps", "values")
 
     def __init__(self) -> None:
         self.steps = array("q")
         self.values = array("d")
         self._buckets: list[tuple[int, int]] = []  # (index of the low, of the high) each
+        self._kept: list[int] = []  # the buckets' indices, in order
         self._width = 1  # points per bucket
         self._done = 0  # points the buckets cover
         self.nonfinite = False  # a NaN or an infinity came: charts skip those points
@@ -58,37 +59,41 @@ class Line:
                 return self.steps[i], self.values[i]
         return None
 
-    def points(self) -> list[tuple[int, float]]:
-        """About POINTS finite points in order: each bucket's low and high, then the newest
-        points as they are (the latest always exactly)."""
+    def view(self) -> list[int]:
+        """The indices of about POINTS points in order: each bucket's low and high, then
+        the newest points as they are (the latest always exactly); NaNs included."""
         self._advance()
-        keep: list[int] = []
-        for low, high in self._buckets:
-            keep.extend((low,) if low == high else sorted((low, high)))
-        keep.extend(range(self._done, len(self.values)))
+        return self._kept + list(range(self._done, len(self.values)))
+
+    def points(self) -> list[tuple[int, float]]:
+        """The finite points of :meth:`view`, as (step, value)."""
         steps, values = self.steps, self.values
-        return [(steps[i], values[i]) for i in keep if math.isfinite(values[i])]
+        return [(steps[i], values[i]) for i in self.view() if math.isfinite(values[i])]
 
     def _advance(self) -> None:
-        width, values = self._width, self.values
-        while len(values) - self._done >= width:
-            start = self._done
-            self._buckets.append(self._extremes(start, start + width))
-            self._done += width
-            if len(self._buckets) * 2 > POINTS:
-                self._merge()
-                width = self._width
+        """Bucket what came since: wide enough first (a backlog is bucketed once, not
+        merged again and again), then each bucket's low and high at once (numpy)."""
+        while (len(self._buckets) + (len(self.values) - self._done) // self._width) * 2 > POINTS:
+            self._merge()
+        width, start = self._width, self._done
+        count = (len(self.values) - start) // width
+        if count == 0:
+            return
+        import numpy as np
 
-    def _extremes(self, start: int, stop: int) -> tuple[int, int]:
-        chunk = self.values[start:stop]
+        stop = start + count * width  # (a copy: the array must stay free to grow)
+        chunk = np.frombuffer(self.values[start:stop], dtype=np.float64).reshape(count, width)
         if self.nonfinite:
-            finite = [i for i in range(start, stop) if math.isfinite(self.values[i])]
-            if not finite:
-                return start, start
-            low = min(finite, key=self.values.__getitem__)
-            high = max(finite, key=self.values.__getitem__)
-            return low, high
-        return start + chunk.index(min(chunk)), start + chunk.index(max(chunk))
+            finite = np.isfinite(chunk)
+            low = np.where(finite, chunk, np.inf).argmin(axis=1)
+            high = np.where(finite, chunk, -np.inf).argmax(axis=1)
+        else:
+            low, high = chunk.argmin(axis=1), chunk.argmax(axis=1)
+        base = start + np.arange(count) * width
+        buckets = list(zip((base + low).tolist(), (base + high).tolist(), strict=True))
+        self._buckets.extend(buckets)
+        self._kept.extend(i for bucket in buckets for i in _ordered(bucket))
+        self._done = stop
 
     def _merge(self) -> None:
         """Twice as wide buckets: each the lowest and highest of two."""
@@ -102,6 +107,12 @@ class Line:
         if len(old) % 2:  # an odd bucket out: its points go back to the newest
             self._done -= self._width
         self._buckets, self._width = merged, self._width * 2
+        self._kept = [i for bucket in merged for i in _ordered(bucket)]
+
+
+def _ordered(bucket: tuple[int, int]) -> tuple[int, ...]:
+    low, high = bucket
+    return (low,) if low == high else (min(low, high), max(low, high))
 
 
 class MetricStore:
