@@ -32,6 +32,7 @@ Timeline of a pool::
     Ready(generation) ------------------>
                   <--------------------- Run(cell, code, ...)
     bytes on stdout/stderr ------------->
+    Metrics (log_metrics, <= 4 a second) >
     end markers, then Done ------------->
                   <--------------------- Interrupt | Query | StackQuery | Shutdown (any time)
     StatusReply | Stacks --------------->  (from the worker's receiver thread)
