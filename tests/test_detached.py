@@ -25,6 +25,7 @@ from helpers import DetachedFamily, collect, wait_gone
 from nbddp import Pool, capture, detached_client
 from nbddp import protocol as P
 from nbddp.errors import CellFailed, CellInterrupted, NbddpError, PoolClosedError
+from nbddp.metric_store import CellMetrics
 from nbddp.pool import raise_for_end
 from test_failures import CASES, check_case
 
@@ -149,7 +150,8 @@ def test_a_pool_connected_again_has_every_rank_state_by_value(detached):
 
 
 TICKS = (
-    "import time\nfor i in range(5):\n    print('tick', i, flush=True)\n    time.sleep(0.2)\n"
+    "import time, nbddp\nfor i in range(5):\n    print('tick', i, flush=True)\n"
+    "    nbddp.log_metrics({'tick': rank * 10.0 + i}, step=i)\n    time.sleep(0.2)\n"
     "torch.full((2**19,), float(rank))"  # 2 MB: the value comes back through shared memory
 )
 
@@ -162,7 +164,10 @@ def test_a_cell_left_running_by_its_client_resumes_on_connect(detached, when):
     n = pool.world_size
     shm = pool.shm_folder
     printed: set[int] = set()
+    metrics = CellMetrics(label="c")
     for event in pool.run(TICKS, want_values=True):
+        if isinstance(event, P.RankMetrics):
+            metrics.add(event)
         if isinstance(event, P.Output):
             assert event.text == "tick 0\n"
             printed.add(event.rank)
@@ -174,6 +179,17 @@ def test_a_cell_left_running_by_its_client_resumes_on_connect(detached, when):
     assert again.resumed is True
     text, seen, end = collect(again.resume())
     assert isinstance(seen[-1], P.CellEnd), seen
+    for event in seen:
+        if isinstance(event, P.RankMetrics):
+            metrics.add(event)
+    # every point the ranks logged, once, whether its client was there or not
+    lines = metrics.store.lines[("c", "tick")]
+    assert {r: line.steps.tolist() for r, line in lines.items()} == {
+        r: [0, 1, 2, 3, 4] for r in range(n)
+    }
+    assert {r: line.values.tolist() for r, line in lines.items()} == {
+        r: [r * 10.0 + i for i in range(5)] for r in range(n)
+    }
     assert end.errors == {}
     assert end.exits == {}
     for r in range(n):
