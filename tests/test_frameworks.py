@@ -8,6 +8,10 @@ pool: frameworks with global state must work again when a cell is re-run.
 from __future__ import annotations
 
 import importlib.util
+import io
+import pickle
+import subprocess
+import sys
 
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
@@ -15,6 +19,9 @@ from IPython.core.interactiveshell import InteractiveShell
 import nbddp
 from helpers import collect
 from nbddp import Pool
+from nbddp.drive import drive
+from nbddp.metric_store import CellMetrics, MetricStore
+from nbddp.sinks import TextSink
 
 
 def needs(module: str):
@@ -236,3 +243,182 @@ def test_a_framework_launcher_inside_a_rank_gets_a_clear_hint(capsys):
     finally:
         shell.run_cell("%ddp stop")
         shell.run_cell("%unload_ext nbddp")
+
+
+# ---------------------------------------------------------------- charts (nbddp.loggers)
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}ranks")
+def sized_pool(request, pool):
+    """The module's pool at 2 ranks; a pool of its own at 3 and 4."""
+    if request.param == pool.world_size:
+        yield pool
+        return
+    with Pool(request.param) as p:
+        yield p
+
+
+def charted(pool, code: str, store: MetricStore | None = None, label: str = "In [1]"):
+    """Run a cell as the notebook does: (its metric lines by (run, name), each rank's value)."""
+    metrics = CellMetrics(store, label=label)
+    sink = TextSink(metrics=metrics, stdout=io.StringIO(), stderr=io.StringIO())
+    end = drive(pool, pool.run(code, want_values=True), sink)
+    assert not end.errors, {r: e.traceback[-1500:] for r, e in end.errors.items()}
+    return metrics.store.lines, [end.values.get(r) for r in range(pool.world_size)]
+
+
+LIGHTNING_LOGGED = """
+import torch, lightning as L
+from nbddp.loggers import LightningLogger
+computed = []
+class Lit(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+    def training_step(self, batch, i):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.log("loss", loss)
+        self.log("who", float(1000 * self.global_rank + i))
+        computed.append(loss.item())
+        return loss
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+    torch.randn(32 * world_size, 4), torch.randn(32 * world_size, 1)), batch_size=1)
+trainer = L.Trainer(accelerator="cpu", strategy="ddp", devices=world_size, max_steps=20,
+                    logger=LightningLogger(), log_every_n_steps=1, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(Lit(), data)
+computed
+"""
+
+
+@needs("lightning")
+def test_lightning_self_log_draws_a_line_for_every_rank(sized_pool):
+    n = sized_pool.world_size
+    for _ in range(2):  # a second Trainer in the same ranks logs as the first
+        lines, computed = charted(sized_pool, LIGHTNING_LOGGED)
+        assert set(lines) == {("In [1]", "loss"), ("In [1]", "who")}  # no "epoch" line
+        loss, who = lines["In [1]", "loss"], lines["In [1]", "who"]
+        assert sorted(loss) == sorted(who) == list(range(n))  # every rank, not rank 0 only
+        for r in range(n):
+            assert list(loss[r].steps) == list(who[r].steps) == list(range(20))
+            assert list(loss[r].values) == computed[r]  # each rank's own losses, exactly
+            assert list(who[r].values) == [1000 * r + i for i in range(20)]
+        assert len({tuple(loss[r].values) for r in range(n)}) == n  # data differs by rank
+
+
+ACCELERATE_LOGGED = """
+import torch
+from accelerate import Accelerator
+from nbddp.loggers import AccelerateTracker
+acc = Accelerator(log_with=AccelerateTracker())
+acc.init_trackers("x")
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.utils.data.TensorDataset(torch.randn(80 * world_size, 4),
+                                      torch.randn(80 * world_size, 1))
+model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=4))
+computed = []
+for i, (x, y) in enumerate(loader):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    acc.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    computed.append(loss.item())
+    acc.log({"loss": loss.item(), "who": 1000 * acc.process_index + i}, step=i)
+computed
+"""
+
+
+@needs("accelerate")
+def test_accelerator_log_draws_a_line_for_every_process(sized_pool):
+    n = sized_pool.world_size
+    for _ in range(2):
+        lines, computed = charted(sized_pool, ACCELERATE_LOGGED)
+        assert set(lines) == {("In [1]", "loss"), ("In [1]", "who")}
+        loss, who = lines["In [1]", "loss"], lines["In [1]", "who"]
+        assert sorted(loss) == sorted(who) == list(range(n))  # not the main process only
+        for r in range(n):
+            assert list(loss[r].steps) == list(who[r].steps) == list(range(20))
+            assert list(loss[r].values) == computed[r]
+            assert list(who[r].values) == [1000 * r + i for i in range(20)]
+
+
+ACCELERATE_MIXED = """
+import torch
+from accelerate import Accelerator
+from nbddp.loggers import AccelerateTracker
+acc = Accelerator(log_with=AccelerateTracker(run="acc"))
+acc.init_trackers("x", config={"lr": 0.1})
+for i in range(5):  # no step: the run "acc" numbers them, on from the last cell
+    acc.log({"loss": torch.tensor(rank + i / 10), "note": "3", "none": None,
+             "many": torch.ones(3), "eval": {"acc": i, "tag": "best"}})
+acc.get_tracker("nbddp").config
+"""
+
+
+@needs("accelerate")
+def test_the_tracker_skips_what_is_not_a_number_flattens_dicts_and_names_its_run(pool):
+    store = MetricStore()
+    for cell in range(2):
+        lines, configs = charted(pool, ACCELERATE_MIXED, store, label=f"In [{cell + 1}]")
+        assert configs == [{"lr": 0.1}] * 2
+    assert set(lines) == {("acc", "loss"), ("acc", "eval/acc")}
+    for r in (0, 1):  # the second cell went on with the run's charts
+        assert list(lines["acc", "loss"][r].steps) == list(range(10))
+        assert list(lines["acc", "loss"][r].values) == pytest.approx(
+            [r + i / 10 for i in range(5)] * 2
+        )
+        assert list(lines["acc", "eval/acc"][r].values) == [0, 1, 2, 3, 4] * 2
+
+
+FABRIC_LOGGED = """
+import torch, lightning as L
+from nbddp.loggers import LightningLogger
+fabric = L.Fabric(accelerator="cpu", strategy="ddp", devices=world_size,
+                  loggers=LightningLogger(run="fabric", epoch=True))
+fabric.launch()
+for i in range(6):
+    fabric.log_dict({"loss": torch.tensor(10.0 * fabric.global_rank + i), "epoch": i // 3},
+                    step=i)
+"""
+
+
+@needs("lightning")
+def test_fabric_log_dict_draws_every_rank_and_keeps_epoch_when_asked(pool):
+    lines, _ = charted(pool, FABRIC_LOGGED)
+    assert set(lines) == {("fabric", "loss"), ("fabric", "epoch")}
+    for r in (0, 1):
+        assert list(lines["fabric", "loss"][r].values) == [10.0 * r + i for i in range(6)]
+        assert list(lines["fabric", "epoch"][r].values) == [0, 0, 0, 1, 1, 1]
+
+
+@needs("lightning")
+@needs("accelerate")
+def test_the_loggers_pickle_by_reference_and_nbddp_imports_without_the_frameworks():
+    from nbddp.loggers import AccelerateTracker, LightningLogger
+
+    assert pickle.loads(pickle.dumps(LightningLogger(run="a"))).run == "a"
+    assert pickle.loads(pickle.dumps(AccelerateTracker(run="b"))).run == "b"
+    with pytest.raises(AttributeError, match="Nothing"):
+        nbddp.loggers.Nothing  # noqa: B018
+    blocked = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('lightning', 'pytorch_lightning', 'accelerate'):\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import nbddp, nbddp.loggers\n"
+        "try:\n"
+        "    nbddp.loggers.LightningLogger\n"
+        "except ImportError:\n"
+        "    print('no lightning')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == "no lightning\n"
