@@ -11,6 +11,7 @@ runs and metrics the cell touched, in the order they came.
 
 from __future__ import annotations
 
+import bisect
 import math
 from array import array
 
@@ -54,16 +55,25 @@ class Line:
 
     def last(self) -> tuple[int, float] | None:
         """The newest finite point."""
+        i = self._newest_finite()
+        return None if i is None else (self.steps[i], self.values[i])
+
+    def _newest_finite(self) -> int | None:
         for i in range(len(self.values) - 1, -1, -1):
             if math.isfinite(self.values[i]):
-                return self.steps[i], self.values[i]
+                return i
         return None
 
     def view(self) -> list[int]:
         """The indices of about POINTS points in order: each bucket's low and high, then
         the newest points as they are (the latest always exactly); NaNs included."""
         self._advance()
-        return self._kept + list(range(self._done, len(self.values)))
+        keep = self._kept + list(range(self._done, len(self.values)))
+        if self.nonfinite:  # the newest finite point, though NaNs came after it
+            newest = self._newest_finite()
+            if newest is not None and newest < self._done and newest not in self._kept:
+                bisect.insort(keep, newest)
+        return keep
 
     def points(self) -> list[tuple[int, float]]:
         """The finite points of :meth:`view`, as (step, value)."""

@@ -36,8 +36,8 @@ def log_metrics(
 
     ``step`` defaults to one more than this run's last step (0 first). ``run`` names a
     run that goes on across cells: every cell logging ``run="train"`` continues the same
-    charts; without it, each cell draws charts of its own. Numbers are anything
-    ``float()`` takes that is not a string (a one-element tensor too).
+    charts; without it, each cell draws charts of its own. A number is a Python or numpy
+    number, or a one-element tensor (not a string).
     """
     if type(metrics) is not dict and not isinstance(metrics, Mapping):
         raise TypeError(f"log_metrics takes a dict of name -> number, not {type(metrics).__name__}")
@@ -49,9 +49,11 @@ def log_metrics(
         elif type(step) is not int:
             step = _int_step(step)
         _next_step[run] = step + 1
-        if _send is None:  # not on a rank: check, keep nothing
+        if _send is None:  # not on a rank: check as a rank would, keep nothing
             for name, value in metrics.items():
                 _number(name, value)
+                if type(name) is not str:
+                    raise TypeError(f"log_metrics: a metric's name is a str, not {name!r}")
             return
         names = _pending.get(run)
         if names is None:
