@@ -751,3 +751,20 @@ def test_a_rank_that_logs_100_000_points_sends_them_all(npool):
             np.frombuffer(line.values, dtype=np.float64), r * 1e6 + want_steps * 0.5
         )
         assert len(line.points()) <= 1.1 * POINTS + width_bound(100_000)
+
+
+def test_a_rank_off_early_in_the_run_is_named_though_it_has_caught_up():
+    """Outliers over the whole run, not only now: rank 7 starts at five times the loss of
+    the others and ends among them; the band is the others', rank 7 a line of its own."""
+    store = MetricStore()
+    for r in range(16):
+        values = [math.exp(-i / 100) * (5 if r == 7 else 1) + (r % 4) * 0.01 for i in range(500)]
+        store.add(r, ("c", "loss"), array("q", range(500)).tobytes(), array("d", values).tobytes())
+    root = ET.fromstring(chart_svg(("c", "loss"), store.lines[("c", "loss")]))
+    labels = [el.get("data-label") for el in root.iter(f"{SVG}polyline")]
+    assert labels == ["median", "rank 7"]
+    assert "outlying: rank 7" in ET.tostring(root, encoding="unicode")
+    band = root.find(f"{SVG}polygon").get("points").split()
+    tops = [float(p.split(",")[1]) for p in band]
+    outlier = root.findall(f"{SVG}polyline")[1].get("points").split()
+    assert min(tops) > float(outlier[0].split(",")[1]) + 50  # the band stays far below it

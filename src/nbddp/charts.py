@@ -20,7 +20,8 @@ __all__ = ["LINES", "chart_svg", "charts_html", "outliers", "summary_line"]
 LINES = 8  # ranks drawn one line each; more draw a band
 BAND_BUCKETS = 200  # x positions of the band
 WIDTH, HEIGHT = 440, 170
-LEFT, RIGHT, TOP, BOTTOM = 52, 10, 22, 34
+LEFT, RIGHT, TOP, BOTTOM = 60, 10, 22, 34  # (9 characters of a y label fit on the left)
+LEGEND_ROW = 13  # pixels a further row of the legend adds
 COLOURS = (  # matplotlib's tab10
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
     "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
@@ -29,9 +30,15 @@ BAND, MEDIAN, OUTLIER = "#9ecae1", "#1f4e79", "#d62728"
 
 
 def _fmt(value: float) -> str:
-    if value == 0 or 1e-3 <= abs(value) < 1e5:
+    """A value for people: 4 significant digits, at most 9 characters (12.35k, 1.2e-05)."""
+    size = abs(value)
+    if value == 0 or 1e-3 <= size < 9999.5:
         return f"{value:.4g}"
-    return f"{value:.3g}"
+    if 9999.5 <= size < 1e15:
+        for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+            if size >= scale * 0.99995:
+                return f"{value / scale:.4g}{suffix}"
+    return f"{value:.2g}"
 
 
 def outliers(lasts: dict[int, float], most: int = 3) -> list[int]:
@@ -79,69 +86,120 @@ class _Frame:
         return " ".join(f"{self.x(s):.1f},{self.y(v):.1f}" for s, v in points)
 
 
-def _band(lines: dict[int, Line]) -> list[tuple[float, float, float, float]]:
-    """(step, lowest, median, highest) of the ranks at BAND_BUCKETS steps: each rank's
-    mean in each step bucket, from its downsampled view (numpy: 64 ranks in a few ms)."""
-    import numpy as np
+class _Grid:
+    """Each rank's mean in BAND_BUCKETS step buckets, from its downsampled view (numpy:
+    64 ranks in a few ms): the band, and how far each rank runs from the others."""
 
-    views = []
-    for line in lines.values():
-        idx = np.asarray(line.view(), dtype=np.int64)
-        steps = np.frombuffer(line.steps, dtype=np.int64)[idx]
-        values = np.frombuffer(line.values, dtype=np.float64)[idx]  # copies: the arrays grow
-        finite = np.isfinite(values)
-        views.append((steps[finite], values[finite]))
-    x0 = min(int(s.min()) for s, _ in views if len(s))
-    x1 = max(int(s.max()) for s, _ in views if len(s))
-    width = max((x1 - x0) / BAND_BUCKETS, 1e-12)
-    grid = np.full((len(views), BAND_BUCKETS), np.nan)
-    for row, (steps, values) in enumerate(views):
-        bucket = np.minimum(((steps - x0) / width).astype(np.int64), BAND_BUCKETS - 1)
-        counts = np.bincount(bucket, minlength=BAND_BUCKETS)
-        sums = np.bincount(bucket, weights=values, minlength=BAND_BUCKETS)
-        seen = counts > 0
-        grid[row, seen] = sums[seen] / counts[seen]
-    cols = np.flatnonzero(np.isfinite(grid).any(axis=0))
-    grid = grid[:, cols]
-    low, mid, high = np.nanmin(grid, 0), np.nanmedian(grid, 0), np.nanmax(grid, 0)
-    xs = x0 + (cols + 0.5) * width
-    return list(zip(xs.tolist(), low.tolist(), mid.tolist(), high.tolist(), strict=True))
+    def __init__(self, lines: dict[int, Line]) -> None:
+        import numpy as np
+
+        views = []
+        for line in lines.values():
+            idx = np.asarray(line.view(), dtype=np.int64)
+            steps = np.frombuffer(line.steps, dtype=np.int64)[idx]
+            values = np.frombuffer(line.values, dtype=np.float64)[idx]  # copies: arrays grow
+            finite = np.isfinite(values)
+            views.append((steps[finite], values[finite]))
+        self.ranks = list(lines)
+        self.x0 = min(int(s.min()) for s, _ in views if len(s))
+        self.x1 = max(int(s.max()) for s, _ in views if len(s))
+        width = max((self.x1 - self.x0) / BAND_BUCKETS, 1e-12)
+        grid = np.full((len(views), BAND_BUCKETS), np.nan)
+        for row, (steps, values) in enumerate(views):
+            bucket = np.minimum(((steps - self.x0) / width).astype(np.int64), BAND_BUCKETS - 1)
+            counts = np.bincount(bucket, minlength=BAND_BUCKETS)
+            sums = np.bincount(bucket, weights=values, minlength=BAND_BUCKETS)
+            seen = counts > 0
+            grid[row, seen] = sums[seen] / counts[seen]
+        cols = np.flatnonzero(np.isfinite(grid).any(axis=0))
+        self.grid = grid[:, cols]
+        # each bucket at its centre, the first and the last at the steps logged
+        self.xs = np.clip(self.x0 + (cols + 0.5) * width, self.x0, self.x1)
+        if len(cols):
+            self.xs[0], self.xs[-1] = max(self.x0, self.xs[0] - width / 2), self.x1
+
+    def band(self, leave_out: list[int]) -> list[tuple[float, float, float, float]]:
+        """(step, lowest, median, highest) of the ranks but ``leave_out``, bucket by bucket."""
+        import numpy as np
+
+        g = self.grid[[i for i, r in enumerate(self.ranks) if r not in leave_out]]
+        cols = np.isfinite(g).any(axis=0)
+        g, xs = g[:, cols], self.xs[cols]
+        low, mid, high = np.nanmin(g, 0), np.nanmedian(g, 0), np.nanmax(g, 0)
+        return list(zip(xs.tolist(), low.tolist(), mid.tolist(), high.tolist(), strict=True))
+
+    def scores(self) -> dict[int, float]:
+        """How far each rank runs from the others over the whole run: its modified z-score
+        (median, median absolute deviation) in each bucket, at most 10, averaged."""
+        import numpy as np
+
+        g = self.grid
+        with np.errstate(invalid="ignore", divide="ignore"):
+            med = np.nanmedian(g, axis=0)
+            mad = np.nanmedian(np.abs(g - med), axis=0)
+            floor = 1e-9 * np.maximum(np.abs(med), 1e-12)
+            z = np.minimum(0.6745 * np.abs(g - med) / np.maximum(mad, floor), 10.0)
+            z[:, np.isfinite(g).sum(axis=0) < 3] = np.nan  # too few ranks there to tell
+            score = np.nanmean(np.where(np.isfinite(z), z, 0.0), axis=1)
+        return dict(zip(self.ranks, score.tolist(), strict=True))
+
+
+def outlying(lines: dict[int, Line], lasts: dict[int, float], most: int = 3) -> list[int]:
+    """The ranks that stand out: far from the others over the run (:meth:`_Grid.scores`
+    over 3.5), or now (:func:`outliers` of their latest values); the farthest first."""
+    if len(lasts) < 3:
+        return []
+    return _outlying(_Grid(lines), lasts, most)
+
+
+def _outlying(grid: _Grid, lasts: dict[int, float], most: int = 3) -> list[int]:
+    scores = grid.scores()
+    now = outliers(lasts, most=len(lasts))
+    far = [r for r in scores if scores[r] > 3.5 or r in now]
+    return sorted(far, key=lambda r: -scores[r])[:most]
 
 
 def chart_svg(key: Key, lines: dict[int, Line], show_run: bool = True) -> str:
     """One metric's chart: a line per rank, or a band with the outliers named."""
     run, name = key
     lasts = {r: p[1] for r, line in sorted(lines.items()) if (p := line.last()) is not None}
-    title = escape(name) + (f" <tspan fill='#888'>({escape(run)})</tspan>" if show_run else "")
-    head = (
-        f"<svg class='nbddp-chart' data-metric='{escape(name, quote=True)}' "
-        f"xmlns='http://www.w3.org/2000/svg' width='{WIDTH}' height='{HEIGHT}' "
-        f"viewBox='0 0 {WIDTH} {HEIGHT}' style='font:11px sans-serif;background:#fff'>"
-        f"<text x='{LEFT}' y='14' font-weight='bold'>{title}</text>"
-    )
     if not lasts:
-        empty = "no finite values yet"
-        return head + f"<text x='{LEFT}' y='{HEIGHT // 2}' fill='#888'>{empty}</text></svg>"
-    if len(lasts) <= LINES:
-        body = _lines({r: lines[r].points() for r in lasts})
+        body, legend = (
+            f"<text x='{LEFT}' y='{HEIGHT // 2}' fill='#888'>no finite values yet</text>",
+            [],
+        )
+    elif len(lasts) <= LINES:
+        body, legend = _lines({r: lines[r].points() for r in lasts})
     else:
-        body = _band_body({r: lines[r] for r in lasts}, lasts)
-    return head + body + "</svg>"
+        body, legend = _band_body({r: lines[r] for r in lasts}, lasts)
+    keys, rows = _legend(legend)
+    height = HEIGHT + LEGEND_ROW * (rows - 1)
+    title = escape(name) + (f" <tspan fill='#888'>({escape(run)})</tspan>" if show_run else "")
+    return (
+        f"<svg class='nbddp-chart' data-metric='{escape(name, quote=True)}' "
+        f"xmlns='http://www.w3.org/2000/svg' width='{WIDTH}' height='{height}' "
+        f"viewBox='0 0 {WIDTH} {height}' style='font:11px sans-serif;background:#fff'>"
+        f"<text x='{LEFT}' y='14' font-weight='bold'>{title}</text>{body}{keys}</svg>"
+    )
 
 
-def _lines(points: dict[int, list[tuple[int, float]]]) -> str:
+Legend = list[tuple[str, str]]  # (colour, text) each
+
+
+def _lines(points: dict[int, list[tuple[int, float]]]) -> tuple[str, Legend]:
     frame = _Frame.around(points.values())
     parts, legend = [_axes(frame)], []
     for i, (rank, ps) in enumerate(points.items()):
         colour = COLOURS[i % len(COLOURS)]
         parts.append(_polyline(frame, ps, colour, f"rank {rank}"))
         legend.append((colour, f"{rank}: {_fmt(ps[-1][1])}"))
-    return "".join(parts) + _legend(legend)
+    return "".join(parts), legend
 
 
-def _band_body(lines: dict[int, Line], lasts: dict[int, float]) -> str:
-    band = _band(lines)
-    far = outliers(lasts)
+def _band_body(lines: dict[int, Line], lasts: dict[int, float]) -> tuple[str, Legend]:
+    grid = _Grid(lines)
+    far = _outlying(grid, lasts)
+    band = grid.band(leave_out=far)  # the others': the outliers are lines of their own
     far_points = {r: lines[r].points() for r in far}
     edges = [[(s, lo), (s, hi)] for s, lo, _m, hi in band]
     frame = _Frame.around([*edges, *far_points.values()])
@@ -160,7 +218,7 @@ def _band_body(lines: dict[int, Line], lasts: dict[int, float]) -> str:
     if far:
         shown = ", ".join(f"{r} ({_fmt(lasts[r])})" for r in far)
         legend.append((OUTLIER, f"outlying: rank{'s' if len(far) > 1 else ''} {shown}"))
-    return "".join(parts) + _legend(legend)
+    return "".join(parts), legend
 
 
 def _polyline(frame: _Frame, points, colour: str, label: str, cls: str = "nbddp-line") -> str:
@@ -187,15 +245,19 @@ def _axes(frame: _Frame) -> str:
     )
 
 
-def _legend(entries: list[tuple[str, str]]) -> str:
-    out, x, y = [], LEFT, HEIGHT - 6
+def _legend(entries: Legend) -> tuple[str, int]:
+    """The legend under the axes, wrapped to rows as wide as the chart: (svg, rows)."""
+    out, x, y, rows = [], LEFT, HEIGHT - 6, 1
     for colour, text in entries:
+        width = 20 + 6 * len(text)  # (about 6 px a character at 11 px)
+        if x > LEFT and x + width > WIDTH:
+            x, y, rows = LEFT, y + LEGEND_ROW, rows + 1
         out.append(
             f"<rect x='{x}' y='{y - 8}' width='10' height='3' fill='{colour}'/>"
             f"<text x='{x + 13}' y='{y}'>{escape(text)}</text>"
         )
-        x += 20 + 6 * len(text)
-    return "".join(out)
+        x += width
+    return "".join(out), rows
 
 
 def charts_html(charts: list[tuple[Key, dict[int, Line]]], own: str) -> str:
@@ -226,7 +288,7 @@ def summary_line(key: Key, lines: dict[int, Line], own: str) -> str | None:
         f"{head}: median {_fmt(statistics.median(values.values()))}, "
         f"min {_fmt(values[low])} (rank {low}), max {_fmt(values[high])} (rank {high})"
     )
-    far = outliers(values)
+    far = outlying({r: lines[r] for r in values}, values)
     if far:
         text += f"; outlying: {', '.join(f'rank {r}' for r in far)}"
     return text
