@@ -194,3 +194,125 @@ class DetachedFamily:
                     proc.kill()
         for folder in self.folders:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+# -- a Jupyter server and a browser for the end-to-end tests (test_browser, test_static,
+# test_wheel); notes in docs/contributing.md
+
+CHROMIUM = "/usr/bin/chromium"
+
+# every notebook front end keeps its app at window.jupyterapp (expose_app_in_browser)
+KERNEL_IDLE_JS = """() => {
+  const widget = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  const session = widget && widget.sessionContext;
+  return !!(session && session.isReady && session.session && session.session.kernel
+            && session.session.kernel.status === 'idle');
+}"""
+
+
+def jupyter_env(tmp_path, base: dict | None = None) -> dict:
+    """``base`` (the environment) with Jupyter's and IPython's folders under ``tmp_path``,
+    and no JupyterLab news toast."""
+    env = dict(os.environ if base is None else base)
+    for var, sub in (
+        ("JUPYTER_CONFIG_DIR", "config"),
+        ("JUPYTER_DATA_DIR", "data"),
+        ("JUPYTER_RUNTIME_DIR", "runtime"),
+        ("IPYTHONDIR", "ipython"),
+    ):
+        env[var] = str(tmp_path / sub)
+    labconfig = tmp_path / "config" / "labconfig"
+    labconfig.mkdir(parents=True, exist_ok=True)
+    (labconfig / "page_config.json").write_text(
+        json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
+    )
+    return env
+
+
+@contextlib.contextmanager
+def jupyter_server(tmp_path, root, app: str = "jupyterlab", python: str = sys.executable, env=None):
+    """JupyterLab (``app="jupyterlab"``) or Notebook 7 (``app="notebook"``) serving
+    ``root`` on loopback, run by ``python``; yields (base URL, token). Its kernels (and so
+    their pools) are shut down by the server itself on SIGTERM."""
+    import secrets
+    import urllib.request
+
+    env = jupyter_env(tmp_path, env)
+    port, token = free_port(), secrets.token_hex(16)
+    if app == "jupyterlab":
+        own = [
+            "--LabApp.expose_app_in_browser=True",
+            "--LabApp.news_url=None",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        ]
+    else:
+        own = ["--JupyterNotebookApp.expose_app_in_browser=True"]
+    cmd = [
+        python,
+        "-m",
+        app,
+        "--no-browser",
+        "--allow-root",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+        "--LanguageServerManager.autodetect=False",
+        *own,
+    ]
+    logfile = tmp_path / f"{app}.log"
+    log = open(logfile, "wb")  # noqa: SIM115  (closed in the finally below)
+    proc = start(cmd, log, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, logfile.read_text()
+            try:
+                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, f"{app} did not answer in 60 s"
+                time.sleep(0.2)
+        yield base, token
+    finally:
+        proc.terminate()  # the server shuts its kernels (and so the pools) down
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+@contextlib.contextmanager
+def chromium(tmp_path):
+    """Headless Debian Chromium driven by playwright; yields the browser."""
+    from playwright.sync_api import sync_playwright
+
+    env = dict(
+        os.environ,
+        XDG_CONFIG_HOME=str(tmp_path / "xdg-config"),
+        XDG_CACHE_HOME=str(tmp_path / "xdg-cache"),
+    )
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--disable-gpu", "--disable-quic"], env=env
+        )
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def open_notebook(page, url: str, timeout: float = 90_000) -> None:
+    """Open a notebook (JupyterLab or Notebook 7) and wait until its kernel is idle."""
+    page.goto(url)
+    page.wait_for_function(KERNEL_IDLE_JS, timeout=timeout)
+
+
+def run_all_cells(page) -> None:
+    """Run every cell of the open notebook (fire and forget: the promise may wait on a
+    dialog, and evaluate has no timeout)."""
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")

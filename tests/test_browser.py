@@ -1,4 +1,6 @@
-"""The dashboard in a real browser: JupyterLab on loopback, headless Debian Chromium.
+"""The dashboard in a real browser: JupyterLab (and Notebook 7) on loopback, headless
+Debian Chromium. Also the metric charts, live and frozen, and the README's picture
+(scripts/screenshot.sh).
 
 Skipped where /usr/bin/chromium, playwright or jupyterlab is missing; CI
 installs all three (.ci/run). A screenshot is kept in artifacts/.
@@ -6,22 +8,19 @@ installs all three (.ci/run). A screenshot is kept in artifacts/.
 
 from __future__ import annotations
 
-import json
+import math
 import os
-import secrets
+import re
 import shutil
-import subprocess
 import sys
-import time
-import urllib.request
+from importlib.util import find_spec
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from helpers import free_port
+from helpers import CHROMIUM, chromium, jupyter_server, open_notebook, run_all_cells
 
-CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).parent.parent / "artifacts"
 
 pytestmark = [
@@ -63,11 +62,11 @@ CELLS_16 = [
 ]
 
 
-@pytest.fixture
-def lab(tmp_path, request):
+def notebook_root(tmp_path, cells) -> Path:
+    """A folder holding dash.ipynb with ``cells`` (and the python3 kernelspec: without it a
+    "Select Kernel" dialog blocks the page and no kernel starts)."""
     root = tmp_path / "root"
     root.mkdir()
-    cells = getattr(request, "param", CELLS)
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {
         "name": "python3",
@@ -75,80 +74,34 @@ def lab(tmp_path, request):
         "language": "python",
     }
     nbformat.write(nb, root / "dash.ipynb")
-    env = dict(os.environ)
-    for var, sub in (
-        ("JUPYTER_CONFIG_DIR", "config"),
-        ("JUPYTER_DATA_DIR", "data"),
-        ("JUPYTER_RUNTIME_DIR", "runtime"),
-        ("IPYTHONDIR", "ipython"),
-    ):
-        env[var] = str(tmp_path / sub)
-    labconfig = tmp_path / "config" / "labconfig"
-    labconfig.mkdir(parents=True)
-    (labconfig / "page_config.json").write_text(
-        json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
-    )
-    port, token = free_port(), secrets.token_hex(16)
-    log = open(tmp_path / "lab.log", "wb")  # noqa: SIM115  (closed in the finally below)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jupyterlab",
-            "--no-browser",
-            "--allow-root",
-            "--ip=127.0.0.1",
-            f"--port={port}",
-            "--ServerApp.port_retries=0",
-            f"--IdentityProvider.token={token}",
-            f"--ServerApp.root_dir={root}",
-            "--LabApp.expose_app_in_browser=True",
-            "--LabApp.news_url=None",
-            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-            "--LanguageServerManager.autodetect=False",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "lab.log").read_text()
-            try:
-                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "JupyterLab did not answer in 60 s"
-                time.sleep(0.2)
-        yield f"{base}/lab/tree/dash.ipynb?token={token}", tmp_path
-    finally:
-        proc.terminate()  # the server shuts its kernels (and so the pool) down
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-        log.close()
+    return root
 
 
 @pytest.fixture
-def page(tmp_path):
-    env = dict(
-        os.environ,
-        XDG_CONFIG_HOME=str(tmp_path / "xdg-config"),
-        XDG_CACHE_HOME=str(tmp_path / "xdg-cache"),
-    )
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, args=["--disable-gpu", "--disable-quic"], env=env
-        )
-        try:
-            yield browser.new_page(viewport={"width": 1280, "height": 1000})
-        finally:
-            browser.close()
+def lab(tmp_path, request):
+    """JupyterLab serving dash.ipynb (the cells: the test's parameter, else CELLS)."""
+    root = notebook_root(tmp_path, getattr(request, "param", CELLS))
+    with jupyter_server(tmp_path, root) as (base, token):
+        yield f"{base}/lab/tree/dash.ipynb?token={token}", tmp_path
+
+
+@pytest.fixture
+def notebook7(tmp_path, request):
+    """Notebook 7 (the ``notebook`` package) serving dash.ipynb."""
+    root = notebook_root(tmp_path, request.param)
+    with jupyter_server(tmp_path, root, app="notebook") as (base, token):
+        yield f"{base}/notebooks/dash.ipynb?token={token}", tmp_path
+
+
+@pytest.fixture
+def browser(tmp_path):
+    with chromium(tmp_path) as browser:
+        yield browser
+
+
+@pytest.fixture
+def page(browser):
+    return browser.new_page(viewport={"width": 1280, "height": 1000})
 
 
 def run_all(page, url: str):
@@ -368,3 +321,318 @@ def test_a_rank_of_four_killed_in_a_collective_is_replaced_and_the_next_cell_run
         page.screenshot(path=str(ARTIFACTS / "replaced-rank-notebook.png"), clip=clip)
     finally:
         page.screenshot(path=str(ARTIFACTS / "replaced-rank.png"), full_page=True)
+
+
+# -- live metric charts (nbddp.log_metrics)
+
+METRICS = ("loss", "acc")
+
+
+def metrics_cell(ranks: int, odd: int | None = None, pause: float = 0.014) -> str:
+    """A cell whose ranks log ``loss`` and ``acc`` for 500 steps, ``pause`` seconds each
+    (7 s: the live charts are looked at meanwhile); rank ``odd``'s loss is 5 times the
+    others'."""
+    loss = "base" if odd is None else f"base * (5 if rank == {odd} else 1)"
+    return (
+        f"%%ddp -n {ranks}\n"
+        "import math, time, nbddp\n"
+        "for step in range(500):\n"
+        "    base = (1 + 0.02 * rank) * math.exp(-step / 150)"
+        " + 0.01 * math.sin(step / 9 + rank)\n"
+        f"    nbddp.log_metrics({{'loss': {loss}, 'acc': 1 - base / 2}}, step=step)\n"
+        f"    time.sleep({pause})\n"
+        "print('trained')"
+    )
+
+
+CELLS_METRICS = ["%load_ext nbddp", metrics_cell(4)]
+CELLS_METRICS_16 = ["%load_ext nbddp", metrics_cell(16, odd=7, pause=0.016)]
+
+
+def chart(scope, metric: str):
+    return scope.locator(f"svg.nbddp-chart[data-metric='{metric}']")
+
+
+def labels(lines) -> list[str]:
+    return sorted(lines.evaluate_all("ls => ls.map(l => l.dataset.label)"))
+
+
+def point_counts(lines) -> list[int]:
+    return lines.evaluate_all("ls => ls.map(l => l.getAttribute('points').split(' ').length)")
+
+
+def live_dashboard(cell):
+    """The cell's live widget, once its charts are drawn while the cell runs."""
+    live = cell.locator(".nbddp-dashboard.nbddp-live")
+    playwright.expect(live.locator("svg.nbddp-chart")).to_have_count(2, timeout=120_000)
+    playwright.expect(live.locator(".nbddp-status")).to_have_text("running")
+    return live
+
+
+def expect_redrawn_while_running(live, label: str) -> None:
+    """The line ``label`` of the loss chart grows while the cell runs (redrawn each second)."""
+    line = chart(live, "loss").locator(f"polyline[data-label='{label}']")
+    before = line.get_attribute("points")
+    playwright.expect(line).not_to_have_attribute("points", before, timeout=5_000)
+    playwright.expect(live.locator(".nbddp-status")).to_have_text("running")
+
+
+def frozen_dashboard(cell):
+    """The cell's output once it ended: the frozen static HTML, no widget left."""
+    expect = playwright.expect
+    expect(cell.locator(".jp-InputArea-prompt")).not_to_contain_text("[*]", timeout=120_000)
+    frozen = cell.locator(".jp-OutputArea-output[data-mime-type='text/html'] .nbddp-summary")
+    expect(frozen).to_have_count(1)
+    expect(cell.locator(".nbddp-live")).to_have_count(0)
+    expect(cell.locator(".jupyter-widgets")).to_have_count(0)
+    assert "Loading widget" not in cell.locator(".jp-Cell-outputArea").inner_text()
+    return frozen
+
+
+def expect_a_line_per_rank(scope, ranks: int, timeout: float = 5_000) -> None:
+    for metric in METRICS:
+        lines = chart(scope, metric).locator("polyline.nbddp-line")
+        playwright.expect(lines).to_have_count(ranks, timeout=timeout)
+        assert labels(lines) == sorted(f"rank {r}" for r in range(ranks))
+
+
+def expect_every_step(svg, last: int = 499) -> None:
+    """The x axis ends at the last step logged."""
+    axis = svg.locator("text", has_text=re.compile(rf"^{last}$"))
+    playwright.expect(axis).to_have_count(1)
+
+
+def metrics_test(page, ranks: int = 4) -> None:
+    """The 4-rank metrics cell (CELLS_METRICS) in an open front end: a line per rank and
+    metric, live, then frozen into the cell's HTML with every point."""
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(1)
+    live = live_dashboard(cell)
+    expect_a_line_per_rank(live, ranks, timeout=60_000)
+    expect_redrawn_while_running(live, "rank 0")
+    page.screenshot(path=str(ARTIFACTS / "metrics-live.png"), full_page=True)
+    frozen = frozen_dashboard(cell)
+    playwright.expect(frozen.locator(".nbddp-status")).to_have_text("done")
+    playwright.expect(frozen).to_contain_text("[0-3] trained")
+    expect_a_line_per_rank(frozen, ranks)
+    for metric in METRICS:
+        svg = chart(frozen, metric)
+        assert point_counts(svg.locator("polyline.nbddp-line")) == [500] * ranks
+        expect_every_step(svg)
+        # the legend gives each rank's latest value
+        for rank in range(ranks):
+            playwright.expect(svg).to_contain_text(f"{rank}: ")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lab", [CELLS_METRICS], indirect=True)
+def test_four_ranks_logging_two_metrics_draw_a_line_per_rank_live_then_frozen(lab, page):
+    url, _ = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    try:
+        run_all(page, url)
+        metrics_test(page)
+    finally:
+        page.screenshot(path=str(ARTIFACTS / "metrics.png"), full_page=True)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(find_spec("notebook") is None, reason="needs notebook 7 (the browser extras)")
+@pytest.mark.parametrize("notebook7", [CELLS_METRICS], indirect=True)
+def test_notebook_7_draws_the_live_charts_and_keeps_them_frozen(notebook7, page):
+    url, _ = notebook7
+    ARTIFACTS.mkdir(exist_ok=True)
+    try:
+        open_notebook(page, url)  # Notebook 7 has no status bar: its app says when idle
+        assert page.evaluate("() => window.jupyterapp.name") == "Jupyter Notebook"
+        playwright.expect(page.locator("#top-panel")).to_be_visible()  # not JupyterLab
+        run_all_cells(page)
+        metrics_test(page)
+    finally:
+        page.screenshot(path=str(ARTIFACTS / "metrics-notebook7.png"), full_page=True)
+
+
+def expect_band_with_rank_7_outlying(scope, timeout: float = 5_000) -> None:
+    """Beyond 8 ranks: a min-max band and the median for each metric, no line per rank;
+    rank 7's loss (5 times the others') as a line of its own, named in the legend."""
+    expect = playwright.expect
+    loss, acc = chart(scope, "loss"), chart(scope, "acc")
+    for svg in (loss, acc):
+        expect(svg.locator("polygon.nbddp-band")).to_have_count(1, timeout=timeout)
+        expect(svg.locator("polyline.nbddp-median")).to_have_count(1)
+        expect(svg.locator("polyline.nbddp-line")).to_have_count(0)
+    outlier = loss.locator("polyline.nbddp-outlier")
+    expect(outlier).to_have_count(1, timeout=timeout)
+    expect(outlier).to_have_attribute("data-label", "rank 7")
+    expect(loss).to_contain_text("outlying: rank 7 (")
+    expect(loss).to_contain_text("median of ranks 0-6,8-15")
+    expect(acc.locator("polyline.nbddp-outlier")).to_have_count(0)  # acc: no rank stands out
+    expect(acc).not_to_contain_text("outlying")
+    expect(acc).to_contain_text("median of ranks 0-15")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lab", [CELLS_METRICS_16], indirect=True)
+def test_sixteen_ranks_draw_a_band_and_a_median_and_name_the_outlying_rank(lab, page):
+    url, _ = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    try:
+        cell = run_all(page, url)
+        live = live_dashboard(cell)
+        expect_band_with_rank_7_outlying(live, timeout=60_000)
+        expect_redrawn_while_running(live, "median")
+        page.screenshot(path=str(ARTIFACTS / "metrics-16-live.png"), full_page=True)
+        frozen = frozen_dashboard(cell)
+        expect_band_with_rank_7_outlying(frozen)
+        loss = chart(frozen, "loss")
+        assert point_counts(loss.locator("polyline.nbddp-outlier")) == [500]  # every step
+        expect_every_step(loss)
+    finally:
+        page.screenshot(path=str(ARTIFACTS / "metrics-16.png"), full_page=True)
+
+
+# -- the charts' SVG as a browser lays it out (charts_html of made-up lines: no server)
+
+
+def made_up_charts(ranks: int, odd=(), name: str = "loss", scale: float = 1.0):
+    """charts_html's input: ``ranks`` lines of 500 steps, ``odd`` ranks 5 times higher."""
+    from array import array
+
+    from nbddp.metric_store import Line
+
+    lines = {}
+    for rank in range(ranks):
+        factor = scale * (5 if rank in odd else 1)
+        values = [
+            factor * ((1 + 0.02 * rank) * math.exp(-s / 150) + 0.01 * math.sin(s / 9 + rank))
+            for s in range(500)
+        ]
+        line = lines[rank] = Line()
+        line.extend(array("q", range(500)).tobytes(), array("d", values).tobytes())
+    return [(("In [3]", name), lines)]
+
+
+def laid_out(page, charts):
+    """Each ``<text>`` of the charts: (text, left, right, chart width, top, bottom, chart
+    height), in the chart's units."""
+    from nbddp.charts import charts_html
+
+    page.set_content("<body style='margin:8px'>" + charts_html(charts, "In [3]") + "</body>")
+    return page.evaluate(
+        """() => [...document.querySelectorAll('svg.nbddp-chart')].flatMap(svg =>
+            [...svg.querySelectorAll(':scope > text')].map(t => {
+              const box = t.getBBox(), view = svg.viewBox.baseVal;
+              return [t.textContent, box.x, box.x + box.width, view.width,
+                      box.y, box.y + box.height, view.height];
+            }))"""
+    )
+
+
+@pytest.mark.parametrize(
+    ("ranks", "odd", "scale"),
+    [
+        pytest.param(4, (), 1.0, id="4-ranks"),
+        pytest.param(8, (), 1.0, id="8-ranks"),  # a legend longer than the chart is wide
+        pytest.param(6, (), 12345.0, id="6-ranks-big-values"),  # long y labels and legend
+        pytest.param(16, (7,), 1.0, id="16-ranks-one-outlier"),
+        pytest.param(16, (3, 7, 12), 1.0, id="16-ranks-three-outliers"),
+    ],
+)
+def test_every_label_of_a_chart_is_inside_it(browser, ranks, odd, scale):
+    page = browser.new_page()
+    texts = laid_out(page, made_up_charts(ranks, odd, scale=scale))
+    assert len(texts) >= 6  # title, 4 axis labels, "step", the legend
+    outside = [
+        (t, round(a), round(b), round(top), round(bottom))
+        for t, a, b, w, top, bottom, h in texts
+        if a < 0 or b > w or top < 0 or bottom > h
+    ]
+    assert not outside, f"drawn outside the chart: {outside}"
+
+
+def test_a_band_charts_x_axis_spans_the_steps_logged(browser):
+    page = browser.new_page()
+    texts = [t for t, *_ in laid_out(page, made_up_charts(16))]  # no outlier: the band alone
+    assert "0" in texts
+    assert "499" in texts
+
+
+# -- the README's picture (scripts/screenshot.sh): a real dashboard, all four things in view
+
+CELLS_SHOWCASE = [
+    "%load_ext nbddp",
+    "%%ddp -n 4\n"
+    "import math, time, torch.distributed as dist, nbddp\n"
+    "for step in range(300):\n"
+    "    loss = (1 + 0.1 * rank) * math.exp(-step / 70) + 0.03 * math.sin(step / 5 + 2 * rank)\n"
+    "    nbddp.log_metrics({'loss': loss + 0.05}, step=step)\n"
+    "    if step % 100 == 99:\n"
+    "        mean = torch.tensor([loss])\n"
+    "        dist.all_reduce(mean)\n"
+    "        print(f'epoch {step // 100}: mean loss {mean.item() / world_size:.4f}')\n"
+    "    time.sleep(0.01)\n"
+    "if rank == 2:\n"
+    "    raise OSError(28, 'No space left on device', f'/ckpt/shard-{rank}.pt')\n"
+    "print('checkpoint saved')",
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lab", [CELLS_SHOWCASE], indirect=True)
+def test_screenshot_of_a_dashboard_with_a_folded_log_a_chart_and_a_failed_rank(lab, browser):
+    """NBDDP_SCREENSHOT=docs/img/dashboard.png writes the README's picture there; without
+    it, to artifacts/. The cell's output once it ended: the rows (rank 2 red), the loss of
+    every rank, the folded log opened, the error."""
+    expect = playwright.expect
+    url, _ = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    target = Path(os.environ.get("NBDDP_SCREENSHOT") or ARTIFACTS / "dashboard-showcase.png")
+    if not target.is_absolute():
+        target = ARTIFACTS.parent / target
+    page = browser.new_page(viewport={"width": 1000, "height": 1400}, device_scale_factor=2)
+    try:
+        cell = run_all(page, url)
+        page.evaluate(
+            "() => { window.jupyterapp.commands.execute('application:toggle-left-area'); }"
+        )
+        frozen = frozen_dashboard(cell)
+        error = cell.locator(
+            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+        )
+        expect(error).to_contain_text("rank 2: OSError: [Errno 28] No space left on device")
+        # the rows: rank 2 failed, red, the others done
+        expect(frozen.locator(".nbddp-row")).to_have_count(4)
+        failed = frozen.locator(".nbddp-row.nbddp-failed")
+        expect(failed).to_have_count(1)
+        assert failed.get_attribute("data-rank") == "2"
+        assert failed.evaluate("e => getComputedStyle(e).backgroundColor") == "rgb(253, 231, 231)"
+        expect(frozen.locator(".nbddp-row.nbddp-done")).to_have_count(3)
+        # the loss of every rank
+        loss = chart(frozen, "loss")
+        expect(loss).to_be_visible()
+        expect(loss.locator("polyline.nbddp-line")).to_have_count(4)
+        # the folded log: closed when a rank failed; opened for the picture
+        everyone = frozen.locator("details.nbddp-log-all")
+        everyone.locator("summary").click()
+        log = everyone.locator(".nbddp-pane")
+        for epoch in range(3):
+            expect(log).to_contain_text(f"[0-3] epoch {epoch}: mean loss")
+        expect(log).to_contain_text("[0-1,3] checkpoint saved")
+        expect(log).to_be_visible()
+        own = frozen.locator("details.nbddp-log[data-rank='2']")  # open, as a failed rank's
+        expect(own).to_have_attribute("open", "")
+        own.locator("summary").click()  # closed: the error shows below anyway
+        outputs = cell.locator(".jp-Cell-outputArea")
+        for shown in (failed, loss, log, error):
+            expect(shown).to_be_in_viewport()
+        box = outputs.bounding_box()  # the outputs, not the empty prompt column left of them
+        left = outputs.locator(".jp-OutputArea-output").first.bounding_box()["x"] - 8
+        clip = {
+            **box,
+            "x": left,
+            "width": box["x"] + box["width"] - left,
+            "height": box["height"] + 8,
+        }
+        page.screenshot(path=str(target), clip=clip)
+        print(f"screenshot: {target}")
+    finally:
+        page.screenshot(path=str(ARTIFACTS / "dashboard-showcase-page.png"), full_page=True)
