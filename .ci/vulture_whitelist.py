@@ -50,3 +50,10 @@ _.group_count
 _.find_class
 # tests forge frames with a channel's own key
 _._out_key
+# the frameworks call them: a module's __getattr__, Lightning's Logger API, accelerate's
+# GeneralTracker attributes
+__getattr__
+_.experiment
+_.log_hyperparams
+_.requires_logging_directory
+_.main_process_only
