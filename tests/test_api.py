@@ -39,6 +39,26 @@ def test_ranch_runs_a_function_on_every_rank_and_gathers():
     assert nbddp.ranch(2, scale_by, 1, factor=10) == [10, 20]
 
 
+def log_steps(n):
+    import nbddp
+
+    for i in range(n):
+        nbddp.log_metrics({"ranch_metric": i + 0.5})
+    return n
+
+
+def test_ranch_keeps_what_the_function_logged_for_percent_ddp_metrics(capsys):
+    from nbddp.session import SESSION
+
+    assert nbddp.ranch(2, log_steps, 7) == [7, 7]
+    frame = SESSION.metrics.frame("ranch_metric")
+    assert sorted(zip(frame["rank"], frame["step"], frame["value"], strict=True)) == [
+        (r, i, i + 0.5) for r in range(2) for i in range(7)
+    ]
+    assert set(frame["run"]) == {"ranch"}  # (outside IPython: no In [N])
+    assert "ranch_metric @ step 6" in capsys.readouterr().out  # the summary line
+
+
 def test_ranch_ships_needed_names_and_runs_multi_line_imports():
     global ranch_data
     ranch_data = [1, 2, 3]

@@ -14,6 +14,7 @@ from . import capture
 from . import protocol as P
 from .dashboard import TextSink
 from .drive import drive
+from .metric_store import CellMetrics
 from .pool import raise_for_end
 from .session import SESSION
 
@@ -61,10 +62,17 @@ def ranch(
     needs = capture.pack(objects, pool.shm_folder)
     events = pool.run(CALL, needs=needs, imports=imports, want_values=True)
     # no prompt: a rank's pdb is closed at once, never waited for (no input box here)
-    end = drive(pool, events, TextSink(), shown=_not_a_value)
+    metrics = CellMetrics(SESSION.metrics, _label())  # log_metrics: for %ddp metrics too
+    end = drive(pool, events, TextSink(metrics=metrics), shown=_not_a_value)
     raise_for_end(end, pool.hosts)
     values = [end.values.get(r) for r in range(nprocs)]
     return values if gather else values[caller_rank]
+
+
+def _label() -> str:
+    """The run of a call's own metrics: its cell's ``In [N]`` in IPython."""
+    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    return f"In [{shell.execution_count}]" if shell else "ranch"
 
 
 def _not_a_value(event: object) -> bool:
