@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import html as html_lib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -210,9 +213,14 @@ KERNEL_IDLE_JS = """() => {
 }"""
 
 
-def jupyter_env(tmp_path, base: dict | None = None) -> dict:
+ANNOUNCEMENTS = "@jupyterlab/apputils-extension:announcements"
+WIDGET_MANAGER = "@jupyter-widgets/jupyterlab-manager"  # ipywidgets' (jupyterlab_widgets)
+
+
+def jupyter_env(tmp_path, base: dict | None = None, disabled: tuple[str, ...] = ()) -> dict:
     """``base`` (the environment) with Jupyter's and IPython's folders under ``tmp_path``,
-    and no JupyterLab news toast."""
+    no JupyterLab news toast, and the front-end extensions ``disabled`` off too (as a user
+    turns them off: page_config.json's disabledExtensions)."""
     env = dict(os.environ if base is None else base)
     for var, sub in (
         ("JUPYTER_CONFIG_DIR", "config"),
@@ -224,20 +232,28 @@ def jupyter_env(tmp_path, base: dict | None = None) -> dict:
     labconfig = tmp_path / "config" / "labconfig"
     labconfig.mkdir(parents=True, exist_ok=True)
     (labconfig / "page_config.json").write_text(
-        json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
+        json.dumps({"disabledExtensions": dict.fromkeys((ANNOUNCEMENTS, *disabled), True)})
     )
     return env
 
 
 @contextlib.contextmanager
-def jupyter_server(tmp_path, root, app: str = "jupyterlab", python: str = sys.executable, env=None):
+def jupyter_server(
+    tmp_path,
+    root,
+    app: str = "jupyterlab",
+    python: str = sys.executable,
+    env=None,
+    disabled: tuple[str, ...] = (),
+):
     """JupyterLab (``app="jupyterlab"``) or Notebook 7 (``app="notebook"``) serving
-    ``root`` on loopback, run by ``python``; yields (base URL, token). Its kernels (and so
-    their pools) are shut down by the server itself on SIGTERM."""
+    ``root`` on loopback, run by ``python``, the front-end extensions ``disabled`` off;
+    yields (base URL, token). Its kernels (and so their pools) are shut down by the
+    server itself on SIGTERM."""
     import secrets
     import urllib.request
 
-    env = jupyter_env(tmp_path, env)
+    env = jupyter_env(tmp_path, env, disabled)
     port, token = free_port(), secrets.token_hex(16)
     if app == "jupyterlab":
         own = [
@@ -316,3 +332,36 @@ def run_all_cells(page) -> None:
     """Run every cell of the open notebook (fire and forget: the promise may wait on a
     dialog, and evaluate has no timeout)."""
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+
+
+# -- the frozen charts: each an <img class='nbddp-chart'> of its SVG (a data URI)
+
+_CHART_IMG = re.compile(r"<img\b(?=[^>]*\bclass=(['\"])nbddp-chart\1)[^>]*>", re.S)
+_ATTR = re.compile(r"""\b([\w-]+)=(?:'([^']*)'|"([^"]*)")""")
+SVG_DATA = "data:image/svg+xml;base64,"
+
+
+def svg_of(src: str) -> str:
+    """The SVG text of an ``<img>``'s ``src`` (``data:image/svg+xml;base64,...``)."""
+    assert src.startswith(SVG_DATA), src[:80]
+    return base64.b64decode(src[len(SVG_DATA) :], validate=True).decode()
+
+
+def frozen_charts(html: str) -> dict[str, tuple[str, str]]:
+    """metric name -> (alt text, decoded SVG) of every chart image in frozen HTML (the
+    attributes single-quoted as charts.py writes them, or double-quoted as nbconvert
+    re-serialises them); a metric shown twice is an error."""
+    out: dict[str, tuple[str, str]] = {}
+    for tag in _CHART_IMG.finditer(html):
+        attrs = {
+            m[1]: html_lib.unescape(m[2] if m[3] is None else m[3]) for m in _ATTR.finditer(tag[0])
+        }
+        metric = attrs["data-metric"]
+        assert metric not in out, f"two charts of {metric!r}"
+        out[metric] = (attrs.get("alt", ""), svg_of(attrs["src"]))
+    return out
+
+
+def frozen_svgs(html: str) -> dict[str, str]:
+    """metric name -> the decoded SVG text of each chart image in frozen HTML."""
+    return {metric: svg for metric, (_alt, svg) in frozen_charts(html).items()}

@@ -13,13 +13,14 @@ import os
 import re
 import shutil
 import sys
+import xml.etree.ElementTree as ET
 from importlib.util import find_spec
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from helpers import CHROMIUM, chromium, jupyter_server, open_notebook, run_all_cells
+from helpers import CHROMIUM, chromium, jupyter_server, open_notebook, run_all_cells, svg_of
 
 ARTIFACTS = Path(__file__).parent.parent / "artifacts"
 
@@ -350,15 +351,61 @@ CELLS_METRICS_16 = ["%load_ext nbddp", metrics_cell(16, odd=7, pause=0.016)]
 
 
 def chart(scope, metric: str):
+    """A live chart: inline SVG in the widget."""
     return scope.locator(f"svg.nbddp-chart[data-metric='{metric}']")
+
+
+SVG = "{http://www.w3.org/2000/svg}"
+DRAWN_JS = """async img => {
+  try { await img.decode(); } catch (e) { return String(e); }
+  return img.naturalWidth;
+}"""
+
+
+def frozen_chart(frozen, metric: str) -> tuple[object, ET.Element]:
+    """A finished cell's chart: an ``<img>`` of its SVG (inline SVG would not survive the
+    sanitizer of an untrusted notebook), visible and drawn. (Its locator, its SVG parsed.)"""
+    image = frozen.locator(f"img.nbddp-chart[data-metric='{metric}']")
+    playwright.expect(image).to_have_count(1)
+    playwright.expect(image).to_be_visible()
+    width = image.evaluate(DRAWN_JS)
+    assert isinstance(width, int), f"the {metric} chart is not drawn: {width}"
+    assert width > 0, f"the {metric} chart is not drawn: naturalWidth {width}"
+    root = ET.fromstring(svg_of(image.get_attribute("src")))  # well-formed, or this raises
+    assert root.tag == SVG + "svg"
+    assert root.get("data-metric") == metric
+    return image, root
+
+
+def svg_class(root: ET.Element, cls: str) -> list[ET.Element]:
+    return [e for e in root.iter() if e.get("class") == cls]
+
+
+def svg_texts(root: ET.Element) -> list[str]:
+    return ["".join(e.itertext()) for e in root.iter(SVG + "text")]
+
+
+def svg_points(element: ET.Element) -> int:
+    return len(element.get("points").split())
+
+
+def legend_values(root: ET.Element) -> dict[int, str]:
+    """rank -> the value its legend entry says (``3: 0.04795``)."""
+    return {
+        int(m[1]): m[2] for text in svg_texts(root) if (m := re.fullmatch(r"(\d+): (\S+)", text))
+    }
+
+
+def logged(metric: str, rank: int, step: int = 499, odd: int | None = None) -> float:
+    """The value metrics_cell's rank logs at ``step``."""
+    base = (1 + 0.02 * rank) * math.exp(-step / 150) + 0.01 * math.sin(step / 9 + rank)
+    if metric == "acc":
+        return 1 - base / 2
+    return base * (5 if rank == odd else 1)
 
 
 def labels(lines) -> list[str]:
     return sorted(lines.evaluate_all("ls => ls.map(l => l.dataset.label)"))
-
-
-def point_counts(lines) -> list[int]:
-    return lines.evaluate_all("ls => ls.map(l => l.getAttribute('points').split(' ').length)")
 
 
 def live_dashboard(cell):
@@ -385,21 +432,24 @@ def frozen_dashboard(cell):
     expect(frozen).to_have_count(1)
     expect(cell.locator(".nbddp-live")).to_have_count(0)
     expect(cell.locator(".jupyter-widgets")).to_have_count(0)
+    expect(frozen.locator("svg")).to_have_count(0)  # its charts are images: no inline SVG
     assert "Loading widget" not in cell.locator(".jp-Cell-outputArea").inner_text()
     return frozen
 
 
 def expect_a_line_per_rank(scope, ranks: int, timeout: float = 5_000) -> None:
+    """The live charts: a line per rank and metric."""
     for metric in METRICS:
         lines = chart(scope, metric).locator("polyline.nbddp-line")
         playwright.expect(lines).to_have_count(ranks, timeout=timeout)
         assert labels(lines) == sorted(f"rank {r}" for r in range(ranks))
 
 
-def expect_every_step(svg, last: int = 499) -> None:
-    """The x axis ends at the last step logged."""
-    axis = svg.locator("text", has_text=re.compile(rf"^{last}$"))
-    playwright.expect(axis).to_have_count(1)
+def expect_every_step(root: ET.Element, last: int = 499) -> None:
+    """The x axis (of a frozen chart's SVG) runs from step 0 to the last step logged."""
+    texts = svg_texts(root)
+    assert texts.count(str(last)) == 1, texts
+    assert texts[texts.index(str(last)) - 1] == "0", texts  # the axis' first step, then last
 
 
 def metrics_test(page, ranks: int = 4) -> None:
@@ -413,14 +463,17 @@ def metrics_test(page, ranks: int = 4) -> None:
     frozen = frozen_dashboard(cell)
     playwright.expect(frozen.locator(".nbddp-status")).to_have_text("done")
     playwright.expect(frozen).to_contain_text("[0-3] trained")
-    expect_a_line_per_rank(frozen, ranks)
+    playwright.expect(frozen.locator("img.nbddp-chart")).to_have_count(len(METRICS))
     for metric in METRICS:
-        svg = chart(frozen, metric)
-        assert point_counts(svg.locator("polyline.nbddp-line")) == [500] * ranks
-        expect_every_step(svg)
+        image, root = frozen_chart(frozen, metric)
+        lines = svg_class(root, "nbddp-line")
+        assert sorted(e.get("data-label") for e in lines) == [f"rank {r}" for r in range(ranks)]
+        assert [svg_points(e) for e in lines] == [500] * ranks  # every step
+        expect_every_step(root)
         # the legend gives each rank's latest value
-        for rank in range(ranks):
-            playwright.expect(svg).to_contain_text(f"{rank}: ")
+        assert legend_values(root) == {r: f"{logged(metric, r):.4g}" for r in range(ranks)}
+        alt = image.get_attribute("alt")
+        assert alt.startswith(f"[ranks 0-{ranks - 1}] {metric} @ step 499: median "), alt
 
 
 @pytest.mark.timeout(300)
@@ -470,6 +523,27 @@ def expect_band_with_rank_7_outlying(scope, timeout: float = 5_000) -> None:
     expect(acc).to_contain_text("median of ranks 0-15")
 
 
+def frozen_band_with_rank_7_outlying(frozen) -> None:
+    """expect_band_with_rank_7_outlying, of the frozen charts (images of their SVG)."""
+    (loss_image, loss), (acc_image, acc) = (frozen_chart(frozen, m) for m in METRICS)
+    for root in (loss, acc):
+        assert len(svg_class(root, "nbddp-band")) == 1
+        assert len(svg_class(root, "nbddp-median")) == 1
+        assert svg_class(root, "nbddp-line") == []
+        expect_every_step(root)
+    (outlier,) = svg_class(loss, "nbddp-outlier")
+    assert outlier.get("data-label") == "rank 7"
+    assert svg_points(outlier) == 500  # every step
+    legend = svg_texts(loss)
+    assert f"outlying: rank 7 ({logged('loss', 7, odd=7):.4g})" in legend, legend
+    assert "median of ranks 0-6,8-15, band min-max" in legend
+    assert svg_class(acc, "nbddp-outlier") == []  # acc: no rank stands out
+    assert not [t for t in svg_texts(acc) if "outlying" in t]
+    assert "median of ranks 0-15, band min-max" in svg_texts(acc)
+    assert loss_image.get_attribute("alt").endswith("; outlying: rank 7")
+    assert acc_image.get_attribute("alt").startswith("[ranks 0-15] acc @ step 499: median ")
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lab", [CELLS_METRICS_16], indirect=True)
 def test_sixteen_ranks_draw_a_band_and_a_median_and_name_the_outlying_rank(lab, page):
@@ -482,10 +556,7 @@ def test_sixteen_ranks_draw_a_band_and_a_median_and_name_the_outlying_rank(lab, 
         expect_redrawn_while_running(live, "median")
         page.screenshot(path=str(ARTIFACTS / "metrics-16-live.png"), full_page=True)
         frozen = frozen_dashboard(cell)
-        expect_band_with_rank_7_outlying(frozen)
-        loss = chart(frozen, "loss")
-        assert point_counts(loss.locator("polyline.nbddp-outlier")) == [500]  # every step
-        expect_every_step(loss)
+        frozen_band_with_rank_7_outlying(frozen)
     finally:
         page.screenshot(path=str(ARTIFACTS / "metrics-16.png"), full_page=True)
 
@@ -606,10 +677,12 @@ def test_screenshot_of_a_dashboard_with_a_folded_log_a_chart_and_a_failed_rank(l
         assert failed.get_attribute("data-rank") == "2"
         assert failed.evaluate("e => getComputedStyle(e).backgroundColor") == "rgb(253, 231, 231)"
         expect(frozen.locator(".nbddp-row.nbddp-done")).to_have_count(3)
-        # the loss of every rank
-        loss = chart(frozen, "loss")
-        expect(loss).to_be_visible()
-        expect(loss.locator("polyline.nbddp-line")).to_have_count(4)
+        # the loss of every rank: drawn, a line each, none red (a failed rank's colour)
+        loss, root = frozen_chart(frozen, "loss")
+        lines = svg_class(root, "nbddp-line")
+        assert [e.get("data-label") for e in lines] == [f"rank {r}" for r in range(4)]
+        assert [svg_points(e) for e in lines] == [300] * 4
+        assert "#d62728" not in [e.get("stroke").lower() for e in lines]
         # the folded log: closed when a rank failed; opened for the picture
         everyone = frozen.locator("details.nbddp-log-all")
         everyone.locator("summary").click()

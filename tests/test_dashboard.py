@@ -297,8 +297,8 @@ def test_a_finished_cell_is_frozen_to_static_html_and_its_widget_closed():
     assert "[0] hello from 0" in html
     assert "[1] hello from 1" in html
     # the failed rank's log is open, the all-ranks log closed; its row red
-    assert "<details class='nbddp-log' data-rank='1' open><summary>rank 1 log" in html
-    assert "<details class='nbddp-log nbddp-log-all'><summary>all ranks log" in html
+    assert "<details class='nbddp-log' data-rank='1' open><summary>rank 1 log (1 line)<" in html
+    assert "<details class='nbddp-log nbddp-log-all'><summary>all ranks log (2 lines)<" in html
     assert "nbddp-row nbddp-failed' data-rank='1' style='background:#fde7e7;'" in html
     assert "rank 1: failed" in bundle["text/plain"]
 

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import ast
-import re
 import xml.etree.ElementTree as ET
 
 import pytest
 
+from helpers import frozen_charts, frozen_svgs
 from test_kernel import execute, kernel, one_usage_error  # noqa: F401 - the fixture, shared
 
 pytestmark = pytest.mark.kernel
@@ -44,17 +44,19 @@ def metrics(kc, args: str, expr: str = "len(_m)"):
     return value(kc, expr)
 
 
-def svgs(html: str) -> list[ET.Element]:
-    return [ET.fromstring(s) for s in re.findall(r"<svg.*?</svg>", html, re.S)]
+def svgs(html: str) -> dict[str, ET.Element]:
+    """The frozen charts of a cell's static HTML (images of their SVG), parsed."""
+    return {metric: ET.fromstring(svg) for metric, svg in frozen_svgs(html).items()}
 
 
 def lines_by_metric(html: str) -> dict[str, int]:
-    return {
-        root.get("data-metric"): sum(
-            1 for e in root.iter(SVG + "polyline") if e.get("class") == "nbddp-line"
-        )
-        for root in svgs(html)
-    }
+    assert "<svg" not in html  # no inline SVG: a sanitizer strips it
+    out = {}
+    for metric, root in svgs(html).items():
+        assert root.tag == SVG + "svg"
+        assert root.get("data-metric") == metric
+        out[metric] = sum(1 for e in root.iter(SVG + "polyline") if e.get("class") == "nbddp-line")
+    return out
 
 
 @pytest.mark.timeout(240)
@@ -67,15 +69,16 @@ def test_charts_freeze_with_the_cell_and_percent_ddp_metrics_returns_every_point
     r = execute(kc, LOGGING, timeout=120)
     assert r.error is None, r.text
     label = f"In [{count + 1}]"
-    # the cell's frozen output: static HTML with an inline SVG per metric, a line per rank
+    # the cell's frozen output: static HTML with an image of its SVG per metric, a line per rank
     final = r.displays[-1]
     assert "application/vnd.jupyter.widget-view+json" not in final
     assert lines_by_metric(final["text/html"]) == {"loss": 4, "acc": 4}
     assert "<script" not in final["text/html"]
-    assert (
-        "[ranks 0-3] loss @ step 499: median 1999, min 499 (rank 0), max 3499 (rank 3)"
-        in (final["text/plain"])
-    )
+    loss = "[ranks 0-3] loss @ step 499: median 1999, min 499 (rank 0), max 3499 (rank 3)"
+    assert loss in final["text/plain"].splitlines()
+    alts = {metric: alt for metric, (alt, _svg) in frozen_charts(final["text/html"]).items()}
+    assert alts["loss"] == loss  # each image's alt text: its summary line
+    assert alts["acc"].startswith("[ranks 0-3] acc @ step 499: median ")
 
     # m = %ddp metrics: every point, as a DataFrame
     execute(kc, "m = %ddp metrics")
@@ -128,7 +131,7 @@ def test_charts_freeze_with_the_cell_and_percent_ddp_metrics_returns_every_point
         r.stdout
     )
     assert "[ranks 0-3] acc @ step 499: median " in r.stdout
-    assert not svgs(r.html)
+    assert "nbddp-chart" not in r.html  # no chart, image or inline
     # a named run is named in the summaries
     r = execute(
         kc,

@@ -19,10 +19,20 @@ import pytest
 import torch
 
 import nbddp
-from helpers import healthy
+from helpers import frozen_charts, healthy
 from nbddp import Pool
 from nbddp import protocol as P
-from nbddp.charts import LINES, chart_svg, charts_html, outliers, summary_line
+from nbddp.charts import (
+    COLOURS,
+    LINES,
+    OUTLIER,
+    RIGHT,
+    WIDTH,
+    chart_svg,
+    charts_html,
+    outliers,
+    summary_line,
+)
 from nbddp.dashboard import Dashboard
 from nbddp.drive import drive
 from nbddp.metric_store import POINTS, CellMetrics, Line, MetricStore
@@ -327,6 +337,37 @@ def test_sixteen_ranks_draw_a_band_a_median_and_the_outlying_rank_named():
     assert "median of ranks 0-10,12-15" in text
 
 
+def test_no_rank_is_drawn_red_red_is_an_outliers():
+    for n in (2, LINES):
+        root = parse(chart_svg(("In [1]", "loss"), lines_for(range(n))))
+        strokes = [e.get("stroke").lower() for e in by_class(root, "nbddp-line")]
+        assert len(set(strokes)) == n  # a colour each
+        assert OUTLIER.lower() not in strokes
+    assert OUTLIER.lower() not in [c.lower() for c in COLOURS]
+    far = by_class(
+        parse(chart_svg(("In [1]", "loss"), lines_for(range(16), far=11))), "nbddp-outlier"
+    )
+    assert [e.get("stroke") for e in far] == [OUTLIER]
+
+
+@pytest.mark.parametrize(("ahead", "last"), [(7, 248), (8, 499), (16, 499)])
+def test_the_band_reaches_the_steps_half_the_ranks_have_logged(ahead, last):
+    """16 ranks, ``ahead`` of them at step 499, the others at 249: the band (and so the x
+    axis) ends where at least half the ranks have come, not where the first one is."""
+    lines = {
+        r: line_of([1 / (i + 1) + 0.001 * (r % 4) for i in range(500 if r < ahead else 250)])
+        for r in range(16)
+    }
+    root = parse(chart_svg(("In [1]", "loss"), lines))
+    assert not by_class(root, "nbddp-outlier")
+    texts = [e.text for e in root.iter(SVG + "text")]
+    assert texts[3:6] == ["0", str(last), "step"]  # the x axis: first and last step
+    right = max(
+        float(p.split(",")[0]) for p in by_class(root, "nbddp-band")[0].get("points").split()
+    )
+    assert right == WIDTH - RIGHT  # the band runs to the axis' end
+
+
 def test_sixteen_ranks_close_together_name_no_outlier():
     root = parse(chart_svg(("In [1]", "loss"), lines_for(range(16))))
     assert len(by_class(root, "nbddp-band")) == 1
@@ -360,6 +401,17 @@ def test_a_metric_name_with_markup_is_escaped_and_the_svg_still_parses():
         assert "<script" not in html
         assert "<b>" not in html
         ET.fromstring(html)  # the whole div too
+        # as a finished cell's images: the name and the alt text escaped, the SVG the same
+        html = charts_html([(("run<b>", name), lines)], own="In [1]", images=True)
+        assert "<script" not in html
+        assert "<b>" not in html
+        assert "<svg" not in html
+        ET.fromstring(html)
+        ((metric, (alt, image)),) = frozen_charts(html).items()
+        assert metric == name
+        assert alt == summary_line(("run<b>", name), lines, own="In [1]")
+        assert name in alt
+        assert image == svg
 
 
 def test_a_run_other_than_the_cells_own_is_named_in_the_title():
@@ -571,12 +623,24 @@ def test_dashboard_draws_charts_at_most_every_chart_interval_and_freezes_them():
     board.handle(metrics_event(1, "acc", [0], [0.5]))
     board.close(P.CellEnd(1, (0, 1, 2, 3)))
     frozen = board.frozen_bundle()
-    svgs = re.findall(r"<svg.*?</svg>", frozen["text/html"])
-    assert len(svgs) == 2  # loss and acc: the acc that came last is in the frozen view
-    assert [len(by_class(parse(s), "nbddp-line")) for s in svgs] == [4, 1]
-    text = frozen["text/plain"]
-    assert "[ranks 0-3] loss @ step 100: median 2.51, min 1.01 (rank 1), max 9 (rank 0)" in text
-    assert "[rank 1] acc @ step 0: 0.5" in text
+    html = frozen["text/html"]
+    # each chart an image of its SVG (inline SVG does not survive a sanitizer), none inline
+    assert "<svg" not in html
+    charts = frozen_charts(html)
+    assert list(charts) == ["loss", "acc"]  # the acc that came last is in the frozen view
+    roots = {metric: parse(svg) for metric, (_alt, svg) in charts.items()}
+    assert [len(by_class(root, "nbddp-line")) for root in roots.values()] == [4, 1]
+    assert [root.get("data-metric") for root in roots.values()] == ["loss", "acc"]
+    assert "0: 9" in svg_text(roots["loss"])  # the last drawing, rank 0's 9 in the legend
+    loss = (
+        "[ranks 0-3] loss @ step 100: median 2.51, min 1.01 (rank 1), max 9 (rank 0); "
+        "outlying: rank 0"
+    )
+    acc = "[rank 1] acc @ step 0: 0.5"
+    assert [alt for alt, _svg in charts.values()] == [loss, acc]  # the alt: the summary line
+    text = frozen["text/plain"].splitlines()
+    assert loss in text
+    assert acc in text
 
 
 # ---------------------------------------------------------------- real pools

@@ -23,7 +23,15 @@ import nbformat
 import psutil
 import pytest
 
-from helpers import CHROMIUM, chromium, jupyter_server, open_notebook, run_all_cells, wait_gone
+from helpers import (
+    CHROMIUM,
+    chromium,
+    frozen_charts,
+    jupyter_server,
+    open_notebook,
+    run_all_cells,
+    wait_gone,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SRC = REPO / "src" / "nbddp"
@@ -183,8 +191,14 @@ def test_the_installed_wheel_runs_a_cell_in_a_kernel_of_the_fresh_venv(venv, tmp
         frozen = [c for kind, c in out if kind == "update_display_data"][-1]["data"]
         assert set(frozen) == {"text/plain", "text/html"}
         html, text = frozen["text/html"], frozen["text/plain"]
-        assert "<svg class='nbddp-chart' data-metric='loss'" in html
-        assert len(re.findall(r"<polyline class='nbddp-line'", html)) == 2
+        assert "<svg" not in html  # the chart an image of its SVG, not inline SVG
+        charts = frozen_charts(html)
+        assert list(charts) == ["loss"]
+        alt, svg = charts["loss"]
+        assert svg.startswith("<svg class='nbddp-chart' data-metric='loss'")
+        assert len(re.findall(r"<polyline class='nbddp-line' data-label='rank \d'", svg)) == 2
+        assert alt.startswith("[ranks 0-1] loss @ step 19: median ")
+        assert alt in text.splitlines()
         assert "hello from rank 0" in html
         assert "hello from rank 1" in html
         assert html.count(f"{module}\n") >= 2  # the ranks import the venv's nbddp too

@@ -2,13 +2,14 @@
 
 One chart per metric, step on the x axis. Up to ``LINES`` ranks draw a line each; a
 larger pool draws the median of its ranks, a band from the lowest to the highest, and
-the ranks that stand out (:func:`outliers`) as lines of their own, named. The same SVG
-is the live widget's and the finished cell's (saved notebooks, nbviewer and GitHub show
-it): no script, no external style.
+the ranks that stand out (:func:`outlying`) as lines of their own, named. The same SVG
+is the live widget's (inline) and the finished cell's (an ``<img>`` of it, which saved
+notebooks, untrusted ones, nbviewer and GitHub show): no script, no external style.
 """
 
 from __future__ import annotations
 
+import base64
 import statistics
 from html import escape
 
@@ -22,9 +23,9 @@ BAND_BUCKETS = 200  # x positions of the band
 WIDTH, HEIGHT = 440, 170
 LEFT, RIGHT, TOP, BOTTOM = 60, 10, 22, 34  # (9 characters of a y label fit on the left)
 LEGEND_ROW = 13  # pixels a further row of the legend adds
-COLOURS = (  # matplotlib's tab10
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
-    "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+COLOURS = (  # matplotlib's tab10 without its red: red is a failed rank's, an outlier's
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b",
+    "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
 )  # fmt: skip
 BAND, MEDIAN, OUTLIER = "#9ecae1", "#1f4e79", "#d62728"
 
@@ -123,7 +124,8 @@ class _Grid:
         import numpy as np
 
         g = self.grid[[i for i, r in enumerate(self.ranks) if r not in leave_out]]
-        cols = np.isfinite(g).any(axis=0)
+        # where most ranks have come (live, the ranks ahead would narrow the band's edge)
+        cols = np.isfinite(g).sum(axis=0) * 2 >= len(g)
         g, xs = g[:, cols], self.xs[cols]
         low, mid, high = np.nanmin(g, 0), np.nanmedian(g, 0), np.nanmax(g, 0)
         return list(zip(xs.tolist(), low.tolist(), mid.tolist(), high.tolist(), strict=True))
@@ -260,12 +262,28 @@ def _legend(entries: Legend) -> tuple[str, int]:
     return "".join(out), rows
 
 
-def charts_html(charts: list[tuple[Key, dict[int, Line]]], own: str) -> str:
-    """Every chart of a cell, side by side; a run other than the cell's ``own`` is named."""
+def charts_html(charts: list[tuple[Key, dict[int, Line]]], own: str, images: bool = False) -> str:
+    """Every chart of a cell, side by side; a run other than the cell's ``own`` is named.
+
+    ``images``: each chart an ``<img>`` of its SVG (a data URI, its summary line as the
+    alt text), for a finished cell's static HTML. Front ends sanitize the HTML of an
+    untrusted notebook (one run by nbclient or received from someone), and inline SVG
+    does not survive that; an image does, and GitHub and nbconvert draw it too."""
     if not charts:
         return ""
-    svgs = "".join(chart_svg(key, lines, show_run=key[0] != own) for key, lines in charts)
-    return f"<div class='nbddp-charts' style='display:flex;flex-wrap:wrap;gap:6px'>{svgs}</div>"
+    parts = []
+    for key, lines in charts:
+        svg = chart_svg(key, lines, show_run=key[0] != own)
+        if images:
+            alt = summary_line(key, lines, own) or key[1]
+            svg = (
+                f"<img class='nbddp-chart' data-metric='{escape(key[1], quote=True)}' "
+                f"alt='{escape(alt, quote=True)}' "
+                f"src='data:image/svg+xml;base64,{base64.b64encode(svg.encode()).decode()}'/>"
+            )
+        parts.append(svg)
+    style = "display:flex;flex-wrap:wrap;gap:6px"
+    return f"<div class='nbddp-charts' style='{style}'>{''.join(parts)}</div>"
 
 
 def summary_line(key: Key, lines: dict[int, Line], own: str) -> str | None:

@@ -1,6 +1,6 @@
 // nbddp's live dashboard (an anywidget view): the header and the rank rows come from the
-// kernel as HTML (the same HTML a finished cell keeps), the metric charts as inline SVG (the
-// same SVG a finished cell keeps); the folded log is drawn here, for
+// kernel as HTML (the same HTML a finished cell keeps), the metric charts as inline SVG (a
+// finished cell keeps the same SVG, as images); the folded log is drawn here, for
 // every rank or for one, picked in the list or by clicking a row.
 
 function ranges(set) {

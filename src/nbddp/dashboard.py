@@ -258,7 +258,7 @@ class Dashboard:
         rank's open; beyond OWN_LOGS ranks, only the failed, odd and slowest ranks')."""
         now = self.ended or self.clock()
         parts = [self._header_html(now), H.rows_html(self.views, self.hosts, now, self.ROWS)]
-        parts.append(self.charts_html())  # inline SVG: shown wherever HTML is
+        parts.append(charts_html(self.metrics.charts(), self.metrics.label, images=True))
         if all_ranks and self.log:
             failed = any(v.state in FAILED_STATES for v in self.views.values())
             parts.append(H.all_log_html(self.log, self.dropped, tail, failed))

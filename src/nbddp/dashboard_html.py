@@ -61,6 +61,10 @@ class RankView:
 Views = dict[int, RankView]
 
 
+def _lines(n: int) -> str:
+    return f"{n} line" if n == 1 else f"{n} lines"
+
+
 def esc(text: str) -> str:
     return html.escape(text, quote=False)
 
@@ -200,7 +204,7 @@ def all_log_html(log: deque[Group], dropped: int, tail: int, failed: bool) -> st
     """Every rank's folded log, closed when a rank failed (its own log opens instead)."""
     return (
         f"<details class='nbddp-log nbddp-log-all'{'' if failed else ' open'}>"
-        f"<summary>all ranks log ({len(log) + dropped} lines)</summary>"
+        f"<summary>all ranks log ({_lines(len(log) + dropped)})</summary>"
         + pane_html(list(log), dropped, tail, labelled=True)
         + "</details>"
     )
@@ -217,7 +221,7 @@ def own_logs_html(views: Views, ranks: list[int], tail: int) -> str:
         dropped = view.count - len(view.lines)
         parts.append(
             f"<details class='nbddp-log' data-rank='{rank}'{' open' if bad else ''}>"
-            f"<summary>rank {rank} log ({view.count} lines)</summary>"
+            f"<summary>rank {rank} log ({_lines(view.count)})</summary>"
             + pane_html(list(view.lines), dropped, tail * 3 if bad else tail, False)
             + "</details>"
         )
