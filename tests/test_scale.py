@@ -4,6 +4,8 @@ the same listener, handshake, fan-out, gather, streams and sinks as torchrun ran
 from __future__ import annotations
 
 import io
+import os
+import resource
 import secrets
 
 import pytest
@@ -41,6 +43,24 @@ def cell(pool: Pool, code: str, sink) -> P.CellEnd:
             sink.handle(event)
     sink.close(end)
     return end
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(
+    resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 2048, reason="needs 2048 descriptors"
+)
+def test_ranks_attach_to_a_notebook_holding_over_a_thousand_descriptors(attach):
+    """Connections numbered past 1024 (select() cannot wait on them; poll can): a long
+    session, or hundreds of ranks with three connections each, gets there."""
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        pool = attach(16)
+        end = cell(pool, "print('past 1024')", TextSink(stdout=io.StringIO()))
+        assert end.errors == {}
+        assert end.exits == {}
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 @pytest.mark.timeout(120)

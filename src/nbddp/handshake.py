@@ -23,13 +23,12 @@ import contextlib
 import hashlib
 import hmac
 import secrets
-import select
 import socket
 import ssl
 import time
 from typing import TYPE_CHECKING
 
-from .wire import TAG, Channel
+from .wire import TAG, Channel, ready
 
 if TYPE_CHECKING:
     from .tls import Tls
@@ -177,8 +176,7 @@ def _wait(sock: socket.socket, deadline: float | None, read: bool) -> None:
     left = None if deadline is None else deadline - time.monotonic()
     if left is not None and left <= 0:
         raise HandshakeError("it did not finish the handshake in time")
-    r, w, _ = select.select([sock] if read else [], [] if read else [sock], [], left)
-    if not r and not w:
+    if not ready(sock, left, write=not read):
         raise HandshakeError("it did not finish the handshake in time")
 
 

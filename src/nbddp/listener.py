@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import select
 import socket
 import threading
 import time
@@ -122,8 +121,7 @@ class Listener:
     def _accept_loop(self) -> None:
         while self._open:
             try:
-                ready, _, _ = select.select([self.sock], [], [], 0.5)
-                if not ready:
+                if not wire.ready(self.sock, 0.5):
                     continue
                 sock, peer = self.sock.accept()
             except (InterruptedError, BlockingIOError, ConnectionAbortedError):

@@ -63,6 +63,15 @@ except ImportError:  # pragma: no cover - a Python without OpenSSL's hashlib
         return hmac.new(key, digestmod=hashlib.sha256)
 
 
+def ready(fd, timeout: float | None, write: bool = False) -> bool:
+    """Whether ``fd`` (or a socket) can be read (written) within ``timeout`` s (None: no
+    limit). ``poll``, not ``select``: select fails for a descriptor numbered 1024 or more,
+    which a notebook with hundreds of ranks (three connections each) reaches."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT if write else select.POLLIN)
+    return bool(poller.poll(None if timeout is None else max(0.0, timeout) * 1000))
+
+
 class Channel:
     """An authenticated connection: whole frames in and out (``send_bytes`` from any thread,
     ``recv_bytes`` from one). EOFError at the peer's end, FrameError for a bad frame."""
@@ -100,8 +109,7 @@ class Channel:
     def poll(self, timeout: float | None = 0.0) -> bool:
         if self.pending():
             return True
-        r, _, _ = select.select([self.fd], [], [], timeout)
-        return bool(r)
+        return ready(self.fd, timeout)
 
     # -- sending
 
@@ -146,7 +154,7 @@ class Channel:
                     with self._tls_lock:
                         n = self.sock.send(view)
             except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
-                select.select([], [self.fd], [], STALL)
+                ready(self.fd, STALL, write=True)
                 continue
             view = view[n:]
 
@@ -264,7 +272,7 @@ class Channel:
                     left = max(0.0, deadline - time.monotonic())
                 else:
                     left = STALL if bounded or got or midframe else None
-                if not select.select([self.fd], [], [], left)[0]:
+                if not ready(self.fd, left):
                     if midframe or got:
                         self.close()
                     raise TimeoutError(f"no byte came for {left:g} s") from None

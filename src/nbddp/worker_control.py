@@ -13,7 +13,6 @@ import ctypes
 import io
 import os
 import queue
-import select
 import sys
 import threading
 import traceback
@@ -170,7 +169,7 @@ class _Pump:
     def _move(self, wait: bool) -> bool:
         """Send what the pipe holds now (``wait``: once it holds something); False at its end."""
         if wait:
-            select.select([self.fd], [], [])
+            wire.ready(self.fd, None)
         with self.lock:
             while True:
                 try:
