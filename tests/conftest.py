@@ -14,6 +14,16 @@ def shared_pool():
         yield pool
 
 
+SIZES = (2, 3, 4, 8)  # the world sizes failure, output and data tests run at
+
+
+@pytest.fixture(scope="module", params=SIZES, ids=[f"{n}ranks" for n in SIZES])
+def pool_of_size(request):
+    """A pool of each size in SIZES, shared by the module's tests (healthy: check it)."""
+    with Pool(request.param) as pool:
+        yield pool
+
+
 @pytest.fixture
 def pool(shared_pool):
     """The session's 2-rank pool, healthy at the start of each test."""

@@ -27,7 +27,7 @@ FRONT = {
 WORKER = {
     "worker", "worker_control", "worker_group", "worker_shims", "worker_cell",
     "worker_code", "ddp", "debugger", "profiling", "collectives", "rich", "mpl_backend",
-    "worker_copy", "metrics", "loggers",
+    "worker_copy", "metrics", "loggers", "workspace",
 }  # fmt: skip
 # shared by the notebook, the worker and the relay: the wire, errors as data, stacks, the
 # listener (the relay's is the notebook's), streams, shipped data, the launcher, the

@@ -1,21 +1,25 @@
 """Two real "hosts": torchrun nodes in network namespaces of their own, with their own
 hostnames, attached to a notebook in the root namespace over a bridge.
 
+Both namespaces share this filesystem, so a folder under tmp_path plays the NFS share
+that ``nbddp.Workspace``, ``gather_objects(workspace=...)`` and ``Pool(workspace=...)``
+are for.
+
 Needs root and iproute2; skipped with the reason where namespaces cannot be made.
 Every address used lives in the namespaces and the bridge this test makes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from helpers import end_all, free_port
 from nbddp import Pool, remote
 from nbddp.tls import make_server_tls
 
@@ -31,8 +35,9 @@ def sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def nodes():
+    """[(namespace, hostname, ip)] of node-a and node-b, on a bridge to NOTEBOOK_IP."""
     tag = str(os.getpid() % 100000)
     bridge = f"nbbr{tag}"
     made: list[str] = []
@@ -65,39 +70,56 @@ def nodes():
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
 
 
+@contextlib.contextmanager
+def attached_pool(nodes, folder, *, per_node=1, tls=False, workspace=None):
+    """A started Pool listening on the bridge, its ranks a torchrun node of ``per_node``
+    ranks on each of ``nodes``: yields (pool, the torchrun processes). Logs, token file
+    in ``folder``; at the end the pool is stopped and what is left of the nodes killed."""
+    token_file = folder / "token"
+    server, pin = make_server_tls() if tls else (None, "")
+    token = remote.read_or_create_token(str(token_file), pin)
+    pool = Pool(
+        len(nodes) * per_node,
+        listen=(NOTEBOOK_IP, 0),
+        token=token,
+        tls=server,
+        start_timeout=180,
+        workspace=workspace,
+    )
+    address = pool.listen()
+    master_ip, master_port = nodes[0][2], free_port()
+    procs, logs = [], []
+    try:
+        for node_rank, (ns, hostname, _) in enumerate(nodes):
+            torchrun = (
+                f"hostname {hostname} && exec {sys.executable} -m torch.distributed.run "
+                f"--nnodes {len(nodes)} --node-rank {node_rank} --nproc-per-node {per_node} "
+                f"--master-addr {master_ip} --master-port {master_port} -m nbddp.worker "
+                f"--connect {address} --token-file {token_file}"
+            )
+            logs.append(open(folder / f"{hostname}.log", "wb"))  # noqa: SIM115
+            procs.append(
+                subprocess.Popen(
+                    ["ip", "netns", "exec", ns, "unshare", "-u", "sh", "-c", torchrun],
+                    env=dict(os.environ, GLOO_SOCKET_IFNAME="eth0"),  # PYTHONPATH too
+                    stdout=logs[-1],
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        pool.start()
+        yield pool, procs
+    finally:
+        pool.stop()
+        end_all(procs)
+        for log in logs:
+            log.close()
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("tls", [False, True], ids=["mac", "tls"])
 def test_ranks_on_two_hosts_attach_reduce_and_stop(nodes, tmp_path, tls):
-    token_file = tmp_path / "token"
-    server, pin = make_server_tls() if tls else (None, "")
-    token = remote.read_or_create_token(str(token_file), pin)
-    pool = Pool(2, listen=(NOTEBOOK_IP, 0), token=token, tls=server, start_timeout=180)
-    address = pool.listen()
-    master_ip = nodes[0][2]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        master_port = s.getsockname()[1]
-    procs, logs = [], []
-    for node_rank, (ns, hostname, _) in enumerate(nodes):
-        torchrun = (
-            f"hostname {hostname} && exec {sys.executable} -m torch.distributed.run "
-            f"--nnodes 2 --node-rank {node_rank} --nproc-per-node 1 --master-addr {master_ip} "
-            f"--master-port {master_port} -m nbddp.worker --connect {address} "
-            f"--token-file {token_file}"
-        )
-        log = open(tmp_path / f"{hostname}.log", "wb")  # noqa: SIM115
-        logs.append(log)
-        procs.append(
-            subprocess.Popen(
-                ["ip", "netns", "exec", ns, "unshare", "-u", "sh", "-c", torchrun],
-                env=dict(os.environ, GLOO_SOCKET_IFNAME="eth0"),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
-    try:
-        pool.start()
+    with attached_pool(nodes, tmp_path, tls=tls) as (pool, procs):
         assert [s.host for s in pool.status()] == ["node-a", "node-b"]
         assert pool.hosts == {0: "node-a", 1: "node-b"}
         modes = {r.link.conn.mode for r in pool.roster.ranks.values()}
@@ -111,11 +133,180 @@ def test_ranks_on_two_hosts_attach_reduce_and_stop(nodes, tmp_path, tls):
             pool.execute("if rank == 1:\n    raise ValueError('far away')")
         pool.stop()
         assert [p.wait(60) for p in procs] == [0, 0]
-    finally:
-        pool.stop()
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        for log in logs:
-            log.close()
+
+
+# ---------------------------------------------- a workspace the two hosts share (NFS)
+
+HOSTS = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
+
+ON_RANKS = """
+import os, socket, time
+import torch.distributed as dist
+from nbddp import Workspace, gather_objects, gather_tensors
+
+def seeded(seed, n):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+def whose(t, n, base):
+    '''The rank r whose seeded(base + r, n) t is, else None.'''
+    return next((r for r in range(world_size) if torch.equal(t, seeded(base + r, n))), None)
+"""
+
+
+@pytest.fixture(scope="module")
+def shared(nodes, tmp_path_factory):
+    """(pool, workspace): two ranks on each host, attached with a workspace on the share."""
+    folder = tmp_path_factory.mktemp("shared")
+    ws = str(folder / "ws")  # made by the ranks
+    with attached_pool(nodes, folder, per_node=2, workspace=ws) as (pool, _):
+        assert pool.hosts == HOSTS
+        pool.execute(ON_RANKS)
+        yield pool, ws
+
+
+def entries(ws: str, prefix: str) -> list[str]:
+    return sorted(e for e in os.listdir(ws) if e.startswith(prefix))
+
+
+@pytest.mark.timeout(300)
+def test_workspace_carries_weights_from_one_host_to_another(shared):
+    pool, ws = shared
+    code = f"""
+space = Workspace({ws!r})
+if socket.gethostname() == "node-a":
+    space.write({{"rank": rank, "host": "node-a"}}, {{"w": seeded(rank, 300_000)}})
+dist.barrier()
+got = {{}}
+if socket.gethostname() == "node-b":
+    for r in range(world_size):
+        config, weights = space.read(r)
+        if weights is None:
+            got[r] = (config, weights)
+        else:
+            w = weights["w"]
+            got[r] = (config, whose(w, 300_000, 0), w.device.type)
+got
+"""
+    values = pool.execute(code)
+    assert values[:2] == [{}, {}], "node-a's ranks read nothing"
+    expected = {
+        0: ({"rank": 0, "host": "node-a"}, 0, "cpu"),
+        1: ({"rank": 1, "host": "node-a"}, 1, "cpu"),
+        2: (None, None),
+        3: (None, None),
+    }
+    assert values[2] == expected, "rank 2 (node-b) reads node-a's weights, None for the rest"
+    assert values[3] == expected, "rank 3 (node-b) reads node-a's weights, None for the rest"
+    assert os.stat(ws).st_mode & 0o777 == 0o700, "the workspace folder is 0700"
+    for r in (0, 1):
+        mode = os.stat(os.path.join(ws, f"rank_{r}_state.pth")).st_mode & 0o777
+        assert mode == 0o600, f"rank {r}'s state file is 0600, not {oct(mode)}"
+    assert entries(ws, ".rank_") == [], "no temp file is left beside the state files"
+
+
+@pytest.mark.timeout(300)
+def test_gather_objects_through_the_workspace_and_the_group(shared):
+    pool, ws = shared
+    n = 400_000  # 1.6 MB a tensor: written as a file of its own
+    code = f"""
+mine = {{"config": {{"rank": rank, "host": socket.gethostname()}}, "w": seeded(10 + rank, {n})}}
+def summary(got):
+    return [(o["config"]["rank"], o["config"]["host"], whose(o["w"], {n}, 10)) for o in got]
+def sources(got):
+    return [whose(t, {n}, 10) for t in got]
+(
+    summary(gather_objects(mine, ranks=[3, 0, 1], workspace={ws!r})),
+    sources(gather_tensors(mine["w"], ranks=[3, 0, 1], workspace={ws!r})),
+    summary(gather_objects(mine, ranks=[3, 0, 1])),
+    sources(gather_tensors(mine["w"], ranks=[3, 0, 1])),
+    int(os.environ["LOCAL_WORLD_SIZE"]),
+)
+"""
+    values = pool.execute(code)
+    assert [v[4] for v in values] == [2, 2, 2, 2], "two ranks a host: not all on one host"
+    for r in (0, 1, 2):
+        assert values[r][:4] == ([], [], [], []), f"rank {r} is not the first listed: []"
+    objects, tensors, objects_by_group, tensors_by_group = values[3][:4]
+    listed = [(3, "node-b", 3), (0, "node-a", 0), (1, "node-a", 1)]
+    assert objects == listed, "gather_objects(workspace=): every listed rank's, in order"
+    assert tensors == [3, 0, 1], "gather_tensors(workspace=): every listed rank's, in order"
+    assert objects_by_group == listed, "gather_objects through the group: the same"
+    assert tensors_by_group == [3, 0, 1], "gather_tensors through the group: the same"
+    assert entries(ws, "gather-") == [], "the first rank removed the gather folders"
+
+
+@pytest.mark.timeout(300)
+def test_copy_goes_through_the_workspace_between_hosts(shared):
+    pool, ws = shared
+    n = 500_000  # 2 MB
+    pool.execute("w = small = None")
+    pool.execute(f"w = seeded(20, {n})\nsmall = torch.arange(4)", ranks=[0])
+    done = pool.copy(["w"], 0, [3])
+    assert done.via == f"through the workspace {ws}", "a big tensor goes through the workspace"
+    assert (done.src, done.dst) == (0, (3,))
+    assert done.nbytes >= 4 * n, f"{done.nbytes} bytes copied"
+    digest = "__import__('hashlib').sha256(w.numpy().tobytes()).hexdigest()"
+    values = pool.execute(f"(socket.gethostname(), {digest}, whose(w, {n}, 20))", ranks=[0, 3])
+    assert values[3][0] == "node-b"
+    assert values[3][1:] == values[0][1:] == (values[0][1], 0), "rank 3 holds rank 0's w"
+    assert entries(ws, "copy-") == [], "the source removed its copy folder"
+    small = pool.copy(["small"], 0, [2])
+    assert small.via == "in the message", "nothing big: all in the message"
+    assert pool.execute("small.tolist()", ranks=[2])[2] == [0, 1, 2, 3]
+    assert entries(ws, "copy-") == []
+
+
+@pytest.mark.timeout(300)
+def test_a_reader_on_another_host_never_reads_a_partial_write(shared):
+    """Rank 1 (node-a) rewrites its 4 MB state for 3 s while rank 2 (node-b) reads it."""
+    pool, ws = shared
+    n = 1 << 20
+    stale = os.path.join(ws, "rank_1_state.pth")
+    for path in (stale, f"{os.path.dirname(stale)}/.rank_1_state.pth.0123456789ab"):
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(b"an earlier run's, cut short")
+    code = f"""
+space = Workspace({ws!r})  # rank 1's: its earlier files removed
+dist.barrier()
+result = space.read(1) if rank == 2 else None
+dist.barrier()
+if rank == 1:
+    t0, writes = time.monotonic(), 0
+    while time.monotonic() - t0 < 3.0:
+        space.write({{"version": writes}}, {{"w": torch.full(({n},), float(writes))}})
+        writes += 1
+    space.write({{"done": True}}, {{}})
+    result = writes
+elif rank == 2:
+    deadline, reads, versions, bad = time.monotonic() + 60, 0, set(), []
+    while time.monotonic() < deadline:
+        try:
+            config, weights = space.read(1)
+        except Exception as exc:
+            bad.append(f"{{type(exc).__name__}}: {{exc}}".splitlines()[0][:200])
+            continue
+        if config is None:
+            if weights is not None:
+                bad.append("weights without a config")
+            continue
+        if config.get("done"):
+            break
+        w, v = weights["w"], config["version"]
+        if w.shape != ({n},) or not bool((w == v).all()):
+            bad.append(f"version {{v}}: {{w.shape}}, values {{w.unique()[:5].tolist()}}")
+        reads += 1
+        versions.add(v)
+    else:
+        bad.append("the writer's last state never came")
+    result = (result, reads, len(versions), len(bad), bad[:3])
+result
+"""
+    values = pool.execute(code)
+    writes = values[1]
+    first, reads, versions, n_bad, bad = values[2]
+    assert first == (None, None), "a new Workspace removes its rank's state of an earlier run"
+    assert writes >= 2, f"rank 1 wrote {writes} times"
+    assert (n_bad, bad) == (0, []), f"{n_bad} of rank 2's reads were partial or broken"
+    assert reads >= 20, f"only {reads} reads while rank 1 wrote {writes} times"
+    assert versions >= 2, f"rank 2 read {versions} version(s) of {writes}"
+    assert entries(ws, ".rank_1_") == [], "no temp file is left, not even the earlier run's"

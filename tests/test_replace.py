@@ -251,7 +251,7 @@ def test_copy_heals_the_new_rank_from_a_survivor(sized_pool):
 def test_copy_through_shared_memory_lands_on_each_ranks_device(pool):
     pool.execute("import torch\nw = torch.arange(2**20, dtype=torch.float32) * (rank + 1)")
     done = pool.copy(["w"], 1, [0])
-    assert done.shared
+    assert done.via == "through shared memory"
     assert done.nbytes >= 4 * 2**20
     assert pool.execute("(w.device.type, w[3].item())") == [("cpu", 6.0), ("cpu", 6.0)]
     assert os.listdir(pool.procs.shm) == []

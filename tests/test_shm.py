@@ -31,12 +31,12 @@ def ours() -> set[str]:
 
 KILLED_IN_GATHER = (
     "import os, signal, nbddp.collectives as C\n"
-    "real = C.dist.barrier\n"
-    "def barrier(*args, **kwargs):  # after this rank wrote its tensor, before anyone read\n"
+    "real = C.dist.gather_object\n"
+    "def gather_object(*args, **kwargs):  # after this rank wrote its tensor, before a read\n"
     "    if rank == world_size - 1:\n"
     "        os.kill(os.getpid(), signal.SIGKILL)\n"
     "    return real(*args, **kwargs)\n"
-    "C.dist.barrier = barrier\n"
+    "C.dist.gather_object = gather_object\n"
     "C.gather_tensors(torch.ones(300_000))\n"
 )
 

@@ -7,7 +7,7 @@ torch.distributed process group that persist across cells.
 from __future__ import annotations
 
 from .api import in_torchddp, ranch
-from .collectives import all_to_all, gather_tensors
+from .collectives import all_to_all, gather_objects, gather_tensors
 from .ddp import DDPContext
 from .errors import (
     CaptureError,
@@ -22,6 +22,7 @@ from .errors import (
 from .metrics import log_metrics
 from .pool import Pool, RankStatus
 from .rich import progress
+from .workspace import Workspace
 
 __version__ = "0.1.0"
 
@@ -37,8 +38,10 @@ __all__ = [
     "RankDied",
     "RankFailed",
     "RankStatus",
+    "Workspace",
     "__version__",
     "all_to_all",
+    "gather_objects",
     "gather_tensors",
     "in_torchddp",
     "load_ipython_extension",

@@ -5,6 +5,7 @@ Listen, say the torchrun command (or submit the SLURM job), wait for every rank.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
@@ -14,11 +15,11 @@ from IPython.core.error import UsageError
 from . import remote
 from .errors import PoolStartError
 from .pool import Pool
-from .private import UnsafeFile
+from .private import UnsafeFile, workspace_folder
 from .session import say
 from .tls import Tls, make_server_tls
 
-__all__ = ["attach", "prepare"]
+__all__ = ["attach", "prepare", "workspace"]
 
 
 def prepare(args) -> tuple[str, int, bytes, Tls | None]:
@@ -29,6 +30,7 @@ def prepare(args) -> tuple[str, int, bytes, Tls | None]:
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
         raise UsageError(f"--listen takes HOST:PORT, not {args.listen!r}")
+    workspace(args.workspace)
     tls, pin = make_server_tls() if args.tls else (None, "")
     try:
         token = remote.read_or_create_token(args.token_file, pin)
@@ -46,6 +48,7 @@ def attach(args, host: str, port: int, token: bytes, tls: Tls | None = None) -> 
         tls=tls,
         start_timeout=args.timeout,
         on_join=_joined,
+        workspace=args.workspace,
     )
     _call_ranks(args, pool, host)
     t0 = time.perf_counter()
@@ -62,6 +65,19 @@ def attach(args, host: str, port: int, token: bytes, tls: Tls | None = None) -> 
         f"{time.perf_counter() - t0:.1f} s"
     )
     return pool
+
+
+def workspace(path: str | None, make: bool = False) -> str | None:
+    """``--workspace``, checked where this host can see it: made (0700) if ``make`` (a
+    local pool's), else checked if it is here (the ranks' hosts check it again)."""
+    if path is not None and (make or os.path.exists(path)):
+        try:
+            workspace_folder(path)
+        except UnsafeFile as exc:
+            raise UsageError(f"--workspace: {exc}") from None
+        except OSError as exc:
+            raise UsageError(f"--workspace: cannot make {path}: {exc.strerror}") from None
+    return path
 
 
 def _call_ranks(args, pool: Pool, host: str) -> None:

@@ -4,7 +4,10 @@ The source rank packs them once (:func:`nbddp.worker_copy.pack`: big tensors
 written once to the pool's shared-memory folder, whatever the number of
 destinations); the notebook passes the pickle on unopened, and each
 destination binds them as it binds ``--need`` objects, tensors on its own
-device. So a new rank that took a dead one's place is healed from a survivor:
+device. With a workspace (``%ddp start/attach --workspace DIR``, a folder every
+host mounts) the big tensors go to a new folder there instead, which ranks on any
+host read, and the source removes it once they have. So a new rank that took a dead
+one's place is healed from a survivor:
 ``pool.copy(["model", "opt"], 0, [2])``. An object bound to the process group
 (a DDP or FSDP wrapper, a DeviceMesh) is refused in one line that says what to
 copy instead.
@@ -12,6 +15,8 @@ copy instead.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -32,7 +37,7 @@ class Copied:
     dst: tuple[int, ...]
     nbytes: int
     seconds: float
-    shared: bool  # through the pool's shared-memory folder (a local pool)
+    via: str  # "through shared memory", "through the workspace DIR", or "in the message"
 
 
 def copy(pool, names: list[str], src: int, dst: list[int] | None = None) -> Copied:
@@ -52,20 +57,27 @@ def copy(pool, names: list[str], src: int, dst: list[int] | None = None) -> Copi
         raise CaptureError(f"rank {src} is the source: copy to the others")
     if not targets:
         raise CaptureError("no rank to copy to")
-    code = f"__import__('nbddp.worker_copy', fromlist=['pack']).pack(globals(), {names!r})"
-    end = drive(pool, pool.run(code, ranks=[src], want_values=True))
+    workspace = pool.workspace
+    code = f"__import__('nbddp.worker_copy', fromlist=['pack']).pack(globals(), {names!r}"
+    end = drive(pool, pool.run(f"{code}, workspace={workspace!r})", ranks=[src], want_values=True))
     failures = failures_of(end, pool.hosts)
     if failures:  # the source refused (one line), or died
         first = failures[0]
         raise CaptureError(
             f"rank {src}: {first.message}" if isinstance(first, RankFailed) else first.summary
         )
-    data, files = end.values[src]
-    shipment = payload.Shipment(data, list(owned_files(files, pool.shm_folder)))
+    data, files, nbytes = end.values[src]
+    ours = [] if workspace else list(owned_files(files, pool.shm_folder))
+    shipment = payload.Shipment(data, ours)
     try:
         raise_for_end(drive(pool, pool.run("", ranks=targets, needs=shipment)), pool.hosts)
     finally:
         shipment.remove()
-    return Copied(
-        tuple(names), src, tuple(targets), shipment.nbytes, time.monotonic() - t0, bool(files)
-    )
+        if workspace and files:  # the source removes its folder (the notebook may not see it)
+            folder = os.path.dirname(files[0])
+            remove = f"__import__('nbddp.worker_copy', fromlist=['remove']).remove({folder!r})"
+            with contextlib.suppress(Exception):  # (the source died: the copy's error says)
+                drive(pool, pool.run(remove, ranks=[src]))
+    via = f"through the workspace {workspace}" if workspace else "through shared memory"
+    via = via if files else "in the message"
+    return Copied(tuple(names), src, tuple(targets), nbytes, time.monotonic() - t0, via)

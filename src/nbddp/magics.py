@@ -146,10 +146,9 @@ class DDPMagics(PoolCommands, Magics):
             raise UsageError(f"--from: no rank {args.src} in a pool of {pool.world_size}")
         to = capture.parse_ranks(args.to, pool.world_size) if args.to else None
         done = pool.copy(names, args.src, to)
-        how = "through shared memory" if done.shared else "in the message"
         say(
             f"copied {', '.join(done.names)} from rank {done.src} to "
-            f"{stacks.rank_set(list(done.dst))} ({human(done.nbytes)} {how}, "
+            f"{stacks.rank_set(list(done.dst))} ({human(done.nbytes)} {done.via}, "
             f"{done.seconds:.2f} s)"
         )
 

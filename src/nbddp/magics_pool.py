@@ -32,6 +32,7 @@ class PoolCommands:
             raise UsageError(f"--gpus takes GPU numbers like 0,3, not {args.gpus!r}") from None
         tee = capture.parse_ranks(args.tee) if args.tee else None
         log_dir = os.path.abspath(os.path.expanduser(args.log_dir)) if args.log_dir else None
+        workspace = attaching.workspace(args.workspace, make=True)
         self.capture.on, self.capture.limit, self.tee = not args.no_auto, auto_limit, tee
         self.session.release()
         options = dict(
@@ -45,6 +46,7 @@ class PoolCommands:
             groups=args.groups,
             mesh=args.mesh,
             log_dir=log_dir,
+            workspace=workspace,
             debug=args.debug or None,
             threads=args.threads,
             on_death=args.on_death,

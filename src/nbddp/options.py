@@ -6,6 +6,7 @@ what the docs' magics reference is made from; ``nbddp.export`` reads cells with 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 from collections.abc import Callable
 
@@ -66,6 +67,16 @@ def _seconds(text: str) -> float:
     return s
 
 
+def _folder(text: str) -> str:
+    """An absolute path (``~`` expanded): every host must find the folder at that path."""
+    path = os.path.expanduser(text)
+    if not os.path.isabs(path):
+        raise argparse.ArgumentTypeError(
+            f"give an absolute path (every host must mount it there), not {text!r}"
+        )
+    return os.path.normpath(path)
+
+
 def parse_argstring(magic, line: str) -> argparse.Namespace:
     """Like IPython's, but shell-like quoting: ``--imports "import a; import b"``."""
     try:
@@ -122,6 +133,7 @@ def ddp_cell(line, cell):
 @argument("--mesh", help="a DeviceMesh bound as `mesh`: 'dp=2,tp=2' (product = world size)")
 @argument("--log-dir", help="every rank's output to DIR/{rank}/stdout.log, stderr.log")
 @argument("--tee", help="ranks whose output the notebook shows (all): the rest only in --log-dir")
+@argument("--workspace", type=_folder, help="a folder the ranks share: %%ddp copy goes through it")
 @argument(
     "--debug",
     action="store_true",
@@ -158,6 +170,11 @@ def ddp_start(line):
 @argument("--tls", action="store_true", help="encrypt (a certificate pinned in the token file)")
 @argument("--timeout", type=_seconds, default=600.0, help="seconds to wait for every rank")
 @argument("--slurm", help="sbatch options: submit the torchrun job too ('--nodes 2 ...')")
+@argument(
+    "--workspace",
+    type=_folder,
+    help="a folder every host mounts at this path (NFS): %%ddp copy goes through it",
+)
 def ddp_attach(line):
     """Wait for ranks started by torchrun elsewhere to connect, then use them as the pool."""
 

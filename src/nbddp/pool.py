@@ -79,6 +79,7 @@ class Pool(PoolCalls):
         groups: str | None = None,
         mesh: str | None = None,
         log_dir: str | None = None,
+        workspace: str | None = None,
         debug: bool = False,
         threads: str | int | None = None,
         on_death: str = "replace",
@@ -90,7 +91,7 @@ class Pool(PoolCalls):
         self.start_timeout, self.grace, self.abort_after = start_timeout, grace, abort_after
         self.device, self.gpus, self.seed = device, gpus, seed
         self.groups, self.mesh = groups, mesh
-        self.log_dir = log_dir
+        self.log_dir, self.workspace = log_dir, workspace  # workspace: copy through it
         self.debug = debug  # torch's collective checks: a mismatch fails at once
         self.threads = None if threads is None else str(threads)  # N or "auto" per rank
         self.extra_env = dict(env or {})
@@ -384,8 +385,7 @@ class Pool(PoolCalls):
 
     def copy(self, names: list[str], src: int, dst: list[int] | None = None) -> copying.Copied:
         """Bind ``names`` from rank ``src``'s namespace on ``dst`` (every other rank by
-        default): once through shared memory, tensors on each rank's own device. Objects
-        bound to the process group (DDP/FSDP wrappers, meshes) are refused."""
+        default), tensors on each rank's own device (see :mod:`nbddp.copying`)."""
         return copying.copy(self, names, src, dst)
 
     @staticmethod

@@ -29,11 +29,14 @@ __all__ = [
     "hold",
     "is_private_folder",
     "make_folder",
+    "open_private",
     "private_folder",
     "read_private",
     "read_token_file",
     "remove_if_unheld",
+    "replace_private",
     "sweep",
+    "workspace_folder",
     "write_private",
     "write_token_file",
 ]
@@ -77,14 +80,46 @@ def private_folder(path: str) -> str:
     return path
 
 
+def workspace_folder(path: str) -> str:
+    """A folder the hosts share (``~`` expanded, absolute): made 0700 with its missing
+    parents; refused in one line unless it is a folder of this user that no one else can
+    write in (a symlink to it is followed, and its target checked)."""
+    path = os.path.abspath(os.path.expanduser(path))
+    make_folder(path)
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeFile(f"refusing the workspace {path}: not a folder")
+    if st.st_uid != os.getuid():
+        raise UnsafeFile(
+            f"refusing the workspace {path}: it belongs to uid {st.st_uid}, not to this user "
+            f"(uid {os.getuid()}); name a folder of your own"
+        )
+    if st.st_mode & 0o022:
+        raise UnsafeFile(
+            f"refusing the workspace {path}: other users can write in it (mode "
+            f"{stat.filemode(st.st_mode)}); chmod 700 {path}, or name a folder only you can write"
+        )
+    return path
+
+
 def write_private(path: str, data: bytes) -> None:
     """Write ``data`` to a new 0600 file at ``path`` (replacing a file there by a rename)."""
+    replace_private(path, lambda f: f.write(data))
+
+
+def replace_private(path: str, fill, sync: bool = False) -> None:
+    """A new 0600 file at ``path``, written by ``fill(file)`` beside it (``.NAME.XXXX``)
+    and renamed over it: a reader sees the old file or the whole new one, never a part.
+    ``sync``: on disk before the rename (a crash leaves one or the other too)."""
     folder = os.path.dirname(path) or "."
     temp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(6)}")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            fill(f)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -100,28 +135,32 @@ def append_private(path: str):
 
 def read_private(path: str, what: str = "file", limit: int = 1 << 16) -> bytes:
     """The bytes of ``path`` (at most ``limit``), if only this user can read it."""
+    with open_private(path, what) as f:
+        return f.read(limit)
+
+
+def open_private(path: str, what: str = "file"):
+    """``path`` opened for reading (binary), if it is a regular file of this user that no
+    one else can read, opened without following a symlink; else :class:`UnsafeFile`."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         if exc.errno == 40:  # ELOOP: the last part is a symlink
             raise UnsafeFile(f"refusing the {what} {path}: it is a symlink") from None
         raise
+    f = os.fdopen(fd, "rb")
     st = os.fstat(fd)
+    problem = None
     if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise UnsafeFile(f"refusing the {what} {path}: not a regular file")
-    with os.fdopen(fd, "rb") as f:
-        if st.st_uid != os.getuid():
-            raise UnsafeFile(
-                f"refusing the {what} {path}: it belongs to uid {st.st_uid}, not to this "
-                f"user (uid {os.getuid()})"
-            )
-        if st.st_mode & 0o077:
-            raise UnsafeFile(
-                f"refusing the {what} {path}: others can read it (mode "
-                f"{stat.filemode(st.st_mode)}); chmod 600 {path}"
-            )
-        return f.read(limit)
+        problem = "not a regular file"
+    elif st.st_uid != os.getuid():
+        problem = f"it belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+    elif st.st_mode & 0o077:
+        problem = f"others can read it (mode {stat.filemode(st.st_mode)}); chmod 600 {path}"
+    if problem:
+        f.close()
+        raise UnsafeFile(f"refusing the {what} {path}: {problem}")
+    return f
 
 
 class TokenFile:

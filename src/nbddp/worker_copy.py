@@ -7,6 +7,11 @@ notebook ships to the destinations unopened (the notebook may not be able to
 load them: CUDA tensors, classes only the ranks can import). Each destination
 loads them as ``--need`` objects, tensors on its own device.
 
+With ``%ddp start/attach --workspace DIR``, the files go to a new folder in DIR (a
+folder every host mounts) instead, and the source removes it once every destination
+has loaded: ranks on other hosts read them there, and the notebook passes only the
+pickle.
+
 Objects bound to the process group cannot be copied (the destination's group
 is its own): a DDP or FSDP wrapper, a DeviceMesh, a ProcessGroup, a DTensor.
 """
@@ -14,13 +19,16 @@ is its own): a DDP or FSDP wrapper, a DeviceMesh, a ProcessGroup, a DTensor.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import torch
 
 from . import payload
+from .private import workspace_folder
 
-__all__ = ["bound_to_group", "pack"]
+__all__ = ["bound_to_group", "pack", "remove"]
 
 
 _GROUP_TYPES = (
@@ -64,8 +72,10 @@ def _refusal(name: str, obj: object, what: str, inside: bool) -> str:
     return f"cannot copy {name!r}: it is {what}, bound to this rank's process group"
 
 
-def pack(namespace: dict, names: list[str]) -> tuple[bytes, list[str]]:
-    """The named objects of ``namespace``, pickled once: (pickle, shared-memory files)."""
+def pack(namespace: dict, names: list[str], workspace: str | None = None) -> tuple:
+    """The named objects of ``namespace``, pickled once: (pickle, files, size in bytes).
+    Big tensors go to files in the pool's shared-memory folder, or with ``workspace`` (a
+    folder the hosts share) in a new ``copy-XXXX`` folder there."""
     missing = [n for n in names if n not in namespace]
     if missing:
         raise NameError(f"name {missing[0]!r} is not defined on this rank")
@@ -75,7 +85,10 @@ def pack(namespace: dict, names: list[str]) -> tuple[bytes, list[str]]:
         if what is not None:
             raise TypeError(_refusal(name, namespace[name], what, inside=False))
     objects = {n: namespace[n] for n in names}
-    folder = os.environ.get("NBDDP_SHM_DIR") or None
+    if workspace is not None:
+        folder = tempfile.mkdtemp(prefix="copy-", dir=workspace_folder(workspace))
+    else:
+        folder = os.environ.get("NBDDP_SHM_DIR") or None
     try:
         shipment = payload.dumps(objects, folder, refuse=lambda o: bound_to_group(o, types))
     except payload.Refused as exc:  # inside one of them: which (pickled again, rarely)
@@ -85,4 +98,13 @@ def pack(namespace: dict, names: list[str]) -> tuple[bytes, list[str]]:
             except payload.Refused:
                 raise TypeError(_refusal(name, namespace[name], str(exc), True)) from None
         raise
-    return shipment.data, shipment.files
+    finally:
+        if workspace is not None and not os.listdir(folder):
+            os.rmdir(folder)  # nothing big: all in the pickle
+    return shipment.data, shipment.files, shipment.nbytes
+
+
+def remove(folder: str) -> None:
+    """A ``copy-XXXX`` folder :func:`pack` made in a workspace, once every rank loaded."""
+    if os.path.basename(folder).startswith("copy-"):
+        shutil.rmtree(folder, ignore_errors=True)

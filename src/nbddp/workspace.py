@@ -1,0 +1,128 @@
+"""A folder the hosts share (NFS), for what shared memory cannot carry between hosts.
+
+:class:`Workspace` is modelopt's ``NFSWorkspace``: each rank writes its config and
+weights to ``PATH/rank_{rank}_state.pth`` and any rank reads another's. Nothing in it
+is collective: the caller synchronizes (a barrier between the writes and the reads),
+as the seed documents. Unlike the seed, a file is written beside its name and renamed
+over it, so a reader racing a writer gets the old file or the whole new one, never a
+part; it is 0600 in a 0700 folder, and a folder another user could write in is refused
+in one line (:func:`nbddp.private.workspace_folder`).
+
+:func:`write_bundle` and :func:`read_bundle` are the other use: one object (pickled
+with :mod:`nbddp.payload`, big tensors as files beside it) in a fresh private folder,
+for :func:`nbddp.gather_objects` and ``%ddp copy`` through a folder, on one host
+(shared memory) or many (a workspace).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import shutil
+import stat
+
+import torch
+import torch.distributed as dist
+
+from . import payload
+from .private import UnsafeFile, open_private, replace_private, workspace_folder
+
+__all__ = ["Workspace", "read_bundle", "remove_bundle", "write_bundle"]
+
+_PICKLE = "object.pkl"
+
+
+def _this_rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+class Workspace:
+    """Configs and weights by rank in a folder every host mounts at ``path``.
+
+    Made like modelopt's: the folder (0700, with its parents) if missing, and this
+    rank's state file of an earlier run removed. ``rank``: this process's (by default
+    the process group's rank, else ``$RANK``, else 0).
+    """
+
+    def __init__(self, path: str | os.PathLike, rank: int | None = None) -> None:
+        self.path = workspace_folder(os.fspath(path))
+        self.rank = _this_rank() if rank is None else int(rank)
+        self._remove_own()
+
+    def state_file(self, rank: int) -> str:
+        return os.path.join(self.path, f"rank_{int(rank)}_state.pth")
+
+    def write(self, config: object, weights: object) -> None:
+        """This rank's state (``torch.save``), replacing its last one in one rename."""
+        state = {"config": config, "weights": weights}
+        replace_private(self.state_file(self.rank), lambda f: torch.save(state, f), sync=True)
+
+    def read(self, rank: int) -> tuple[object, object]:
+        """``(config, weights)`` that ``rank`` wrote last, tensors on the CPU; ``(None,
+        None)`` if it wrote none. Loaded with ``weights_only=True``: plain containers,
+        numbers, strings and tensors (what ``torch.save`` of a state dict holds)."""
+        path = self.state_file(rank)
+        try:
+            f = open_private(path, "workspace file")
+        except FileNotFoundError:
+            return None, None
+        with f:
+            try:
+                state = torch.load(f, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc)
+                raise ValueError(
+                    f"cannot read {path}: torch.load(weights_only=True) refuses it ({first}); "
+                    "keep configs to dicts, lists, numbers and strings"
+                ) from None
+        if not isinstance(state, dict) or set(state) != {"config", "weights"}:
+            raise ValueError(f"{path} is not a workspace state file")
+        return state["config"], state["weights"]
+
+    def _remove_own(self) -> None:
+        """This rank's state file, and its half-written ones, from an earlier run."""
+        name = os.path.basename(self.state_file(self.rank))
+        for entry in os.listdir(self.path):
+            if entry == name or entry.startswith(f".{name}."):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.path, entry))
+
+    def __repr__(self) -> str:
+        return f"Workspace({self.path!r}, rank={self.rank})"
+
+
+# ---------------------------------------------------------------- one object in a folder
+
+
+def write_bundle(obj: object, folder: str) -> int:
+    """``obj`` in ``folder`` (new, private): its pickle, and each big tensor as a file
+    beside it, written once. Its size in bytes."""
+    shipment = payload.dumps(obj, folder)
+    fd = os.open(os.path.join(folder, _PICKLE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(shipment.data)
+    return shipment.nbytes
+
+
+def _private(folder: str) -> bool:
+    st = os.lstat(folder)
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
+def read_bundle(folder: str) -> object:
+    """The object :func:`write_bundle` left in ``folder``, if that is a private folder of
+    this user (its tensors mapped from their files, private to this process)."""
+    if not _private(folder):
+        raise UnsafeFile(f"refusing to read {folder}: not a private folder of this user")
+    with open_private(os.path.join(folder, _PICKLE), "bundle file") as f:
+        return payload.loads(f.read())
+
+
+def remove_bundle(folder: str) -> None:
+    """Remove a bundle's folder (if it is a private folder of this user)."""
+    with contextlib.suppress(OSError):
+        if _private(folder):
+            shutil.rmtree(folder, ignore_errors=True)
