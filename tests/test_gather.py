@@ -228,3 +228,19 @@ def test_one_rank_listed_needs_no_other(gpool):
     got = gpool.execute(f"gather_objects(rank, ranks=[{n - 1}]) if rank >= {n - 2} else 'x'")
     assert got[n - 1] == [n - 1]
     assert got[n - 2] == []
+
+
+@pytest.mark.timeout(120)
+def test_copy_goes_through_the_workspace_and_leaves_nothing_there(gpool, workspace):
+    n = gpool.world_size
+    gpool.execute("w = torch.full((2**19,), float(rank)) + torch.arange(2**19)\ncfg = {'r': rank}")
+    gpool.workspace = workspace
+    try:
+        done = gpool.copy(["w", "cfg"], n - 1)
+    finally:
+        gpool.workspace = None
+    assert done.via == f"through the workspace {workspace}"
+    assert done.dst == tuple(range(n - 1))
+    assert done.nbytes >= 2 * 2**20
+    assert gpool.execute("(w[7].item(), cfg)") == [(n - 1 + 7.0, {"r": n - 1})] * n
+    assert os.listdir(workspace) == []

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -74,7 +75,7 @@ def nodes():
 def attached_pool(nodes, folder, *, per_node=1, tls=False, workspace=None):
     """A started Pool listening on the bridge, its ranks a torchrun node of ``per_node``
     ranks on each of ``nodes``: yields (pool, the torchrun processes). Logs, token file
-    in ``folder``; at the end the pool is stopped and what is left of the nodes killed."""
+    in ``folder``; at the end the pool is stopped, and the nodes killed if they linger."""
     token_file = folder / "token"
     server, pin = make_server_tls() if tls else (None, "")
     token = remote.read_or_create_token(str(token_file), pin)
@@ -111,6 +112,10 @@ def attached_pool(nodes, folder, *, per_node=1, tls=False, workspace=None):
         yield pool, procs
     finally:
         pool.stop()
+        deadline = time.monotonic() + 10  # the nodes' own exit, then a kill
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.1, deadline - time.monotonic()))
         end_all(procs)
         for log in logs:
             log.close()
@@ -261,8 +266,9 @@ def test_a_reader_on_another_host_never_reads_a_partial_write(shared):
     """Rank 1 (node-a) rewrites its 4 MB state for 3 s while rank 2 (node-b) reads it."""
     pool, ws = shared
     n = 1 << 20
-    stale = os.path.join(ws, "rank_1_state.pth")
-    for path in (stale, f"{os.path.dirname(stale)}/.rank_1_state.pth.0123456789ab"):
+    os.makedirs(ws, mode=0o700, exist_ok=True)
+    for name in ("rank_1_state.pth", ".rank_1_state.pth.0123456789ab"):  # an earlier run's
+        path = os.path.join(ws, name)
         with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(b"an earlier run's, cut short")
     code = f"""

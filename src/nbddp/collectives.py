@@ -15,7 +15,6 @@ from .workspace import read_bundle, remove_bundle, write_bundle
 __all__ = ["all_to_all", "gather_objects", "gather_tensors"]
 
 
-
 def all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Split ``tensor`` along dim 0 into one chunk per rank; chunk i goes to rank i.
 
