@@ -264,7 +264,7 @@ def test_all_to_all_sends_chunk_i_to_rank_i(pool4):
 
 
 @pytest.mark.parametrize("path", ["shared memory", "process group"])
-def test_gather_tensors_collects_on_the_lowest_rank(pool4, path):
+def test_gather_tensors_collects_on_the_first_listed_rank(pool4, path):
     # a pool that does not look like one host gathers through the process group
     pretend = path == "process group"
     code = "\n".join(
@@ -272,12 +272,12 @@ def test_gather_tensors_collects_on_the_lowest_rank(pool4, path):
             "import os",
             "os.environ['LOCAL_WORLD_SIZE'] = '1'" if pretend else "",
             "from nbddp import gather_tensors",
-            "out = gather_tensors(torch.full((3,), float(rank)), ranks=[1, 2, 3])",
+            "out = gather_tensors(torch.full((3,), float(rank)), ranks=[2, 1, 3])",
             "os.environ['LOCAL_WORLD_SIZE'] = str(world_size)",
             "[t.tolist() for t in out]",
         ]
     )
-    assert pool4.execute(code) == [[], [[1.0] * 3, [2.0] * 3, [3.0] * 3], [], []]
+    assert pool4.execute(code) == [[], [], [[2.0] * 3, [1.0] * 3, [3.0] * 3], []]
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("nbddp-gather")]
 
 
