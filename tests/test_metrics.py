@@ -20,7 +20,6 @@ import torch
 
 import nbddp
 from helpers import frozen_charts, healthy
-from nbddp import Pool
 from nbddp import protocol as P
 from nbddp.charts import (
     COLOURS,
@@ -646,15 +645,9 @@ def test_dashboard_draws_charts_at_most_every_chart_interval_and_freezes_them():
 # ---------------------------------------------------------------- real pools
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4, 8], ids=lambda n: f"{n}ranks")
-def ranks_pool(request):
-    with Pool(request.param) as pool:
-        yield pool
-
-
 @pytest.fixture
-def npool(ranks_pool):
-    return healthy(ranks_pool)
+def npool(pool_of_size):
+    return healthy(pool_of_size)
 
 
 class Recorder:
