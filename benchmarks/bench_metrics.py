@@ -24,6 +24,7 @@ from pathlib import Path
 
 import psutil
 from jupyter_client.manager import start_new_kernel
+from kernel_value import kernel_value
 
 RANKS = 4
 LOOP = """
@@ -69,28 +70,13 @@ def execute(kc, code: str, timeout: float = 900) -> tuple[dict, int, int]:
     return reply, count, size
 
 
-def values(kc, name: str) -> list[float]:
-    msg_id = kc.execute(f"print(repr({name}))")
-    out = ""
-    while True:
-        msg = kc.get_iopub_msg(timeout=60)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        if msg["msg_type"] == "stream":
-            out += msg["content"]["text"]
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            break
-    kc.get_shell_msg(timeout=60)
-    return eval(out)  # a list of floats the kernel printed
-
-
 def one(kc, kernel: psutil.Process, steps: int, log: bool) -> dict:
     line = 'nbddp.log_metrics({"loss": value, "acc": 1 / (1 + value)}, step=i)' if log else ""
     code = f"%%ddp -n {RANKS} --out loop_s\n" + LOOP.format(steps=steps, log=line or "pass")
     k0, t0 = sum(kernel.cpu_times()[:2]), time.perf_counter()
     _, count, size = execute(kc, code)
     wall, kernel_cpu = time.perf_counter() - t0, sum(kernel.cpu_times()[:2]) - k0
-    loops = values(kc, "loop_s")
+    loops = kernel_value(kc, "loop_s")
     return {
         "loop_s": max(w for w, _ in loops),
         "rank_cpu_s": max(c for _, c in loops),  # the rank's own CPU: less noisy than wall
@@ -128,7 +114,7 @@ def main() -> None:
                     flush=True,
                 )
         execute(kc, f"%%ddp -n {RANKS} --ranks 0 --out per_call\n" + BARE.format(steps=200_000))
-        bare = values(kc, "per_call")[0]
+        bare = kernel_value(kc, "per_call")[0]
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=False)

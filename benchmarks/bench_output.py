@@ -18,6 +18,7 @@ import re
 import time
 
 from jupyter_client.manager import start_new_kernel
+from kernel_value import kernel_value
 
 LOOP = (
     "import time, sys, os\n"
@@ -71,23 +72,10 @@ def run(kc, code: str, timeout: float = 600) -> dict:
             }
 
 
-def fetch(kc, expr: str):
-    msg_id = kc.execute(f"print(repr({expr}))")
-    out = ""
-    while True:
-        msg = kc.get_iopub_msg(timeout=60)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        if msg["msg_type"] == "stream":
-            out += msg["content"]["text"]
-        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            return eval(out)  # our own repr of floats, from our own kernel
-
-
 def nbddp_mode(kc, n: int, lines: int, flags: str) -> dict:
     r = run(kc, f"%%ddp {flags}\n" + LOOP.format(lines=lines))
     run(kc, "%%ddp --out _pt --quiet\n(print_time, null_time)")
-    times = fetch(kc, "_pt")
+    times = kernel_value(kc, "_pt")
     accounted = [int(x) for x in re.findall(r"rank \d+ log \((\d+) lines\)", r["html"])]
     return {
         **r,
@@ -111,7 +99,7 @@ def ipp_mode(kc, n: int, lines: int) -> dict:
     try:
         r = run(kc, "%%px --stream\n" + LOOP.format(lines=lines))
         run(kc, "_pt = _rc[:].pull(['print_time', 'null_time'], block=True)")
-        times = fetch(kc, "_pt")
+        times = kernel_value(kc, "_pt")
         return {
             **r,
             "print_s": max(t[0] for t in times),
