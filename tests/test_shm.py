@@ -58,15 +58,19 @@ def test_a_rank_killed_inside_gather_tensors_leaves_nothing_once_the_pool_stops(
     assert ours() == before
 
 
-def test_gather_tensors_under_torchrun_without_a_pool_leaves_nothing(tmp_path):
+def test_gathers_under_torchrun_without_a_pool_leave_nothing(tmp_path):
     script = tmp_path / "gather.py"
     script.write_text(
         "import torch, torch.distributed as dist\n"
-        "from nbddp import gather_tensors\n"
+        "from nbddp import gather_objects, gather_tensors\n"
         "dist.init_process_group('gloo')\n"
         "out = gather_tensors(torch.full((4,), float(dist.get_rank())))\n"
         "if dist.get_rank() == 0:\n"
         "    print('GOT', [t.tolist()[0] for t in out])\n"
+        "big = {'r': dist.get_rank(), 'w': torch.full((2**19,), float(dist.get_rank()))}\n"
+        "out = gather_objects(big, ranks=[2, 0])\n"
+        "if dist.get_rank() == 2:\n"
+        "    print('OBJ', [(o['r'], o['w'][-1].item()) for o in out])\n"
         "dist.destroy_process_group()\n"
     )
     before = ours()
@@ -87,6 +91,7 @@ def test_gather_tensors_under_torchrun_without_a_pool_leaves_nothing(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "GOT [0.0, 1.0, 2.0]" in proc.stdout
+    assert "OBJ [(2, 2.0), (0, 0.0)]" in proc.stdout  # rank 0's 2 MB through its own folder
     assert ours() == before
 
 
