@@ -51,6 +51,10 @@ SETUP = textwrap.dedent(
         return out
 
     C.dist.gather_object = spy
+
+    def mapped():  # files of the workspace this rank still maps (NFS may not keep them)
+        with open("/proc/self/maps") as f:
+            return [line.split()[-2] for line in f if WS in line]
     """
 )
 
@@ -118,6 +122,8 @@ def test_objects_reach_the_first_listed_rank_in_the_order_listed(gpool, via):
         folders = gpool.execute("seen[-1]", ranks=[listed[0]])[listed[0]]
         wrote = ["gather"] * (len(listed) - 1)
         assert folders == {"shm": ([], wrote), "workspace": (wrote, []), "group": ([], [])}[via]
+        # what came through the workspace was read into memory, not mapped from its files
+        assert gpool.execute("mapped()") == [[]] * n
     # the first rank's own entry is its object itself, not a copy
     assert gpool.execute(
         f"obj = make(rank)\nout = through({via!r}, lambda ws: gather_objects(obj, workspace=ws))\n"
@@ -243,4 +249,5 @@ def test_copy_goes_through_the_workspace_and_leaves_nothing_there(gpool, workspa
     assert done.dst == tuple(range(n - 1))
     assert done.nbytes >= 2 * 2**20
     assert gpool.execute("(w[7].item(), cfg)") == [(n - 1 + 7.0, {"r": n - 1})] * n
+    assert gpool.execute("mapped()") == [[]] * n  # read into memory, not mapped
     assert os.listdir(workspace) == []

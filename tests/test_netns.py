@@ -252,9 +252,11 @@ def test_copy_goes_through_the_workspace_between_hosts(shared):
     assert done.nbytes >= 4 * n, f"{done.nbytes} bytes copied"
     digest = "__import__('hashlib').sha256(w.numpy().tobytes()).hexdigest()"
     values = pool.execute(f"(socket.gethostname(), {digest}, whose(w, {n}, 20))", ranks=[0, 3])
-    assert values[3][0] == "node-b"
-    assert values[3][1:] == values[0][1:] == (values[0][1], 0), "rank 3 holds rank 0's w"
+    source = values[0][1]
+    assert values[3] == ("node-b", source, 0), "rank 3 (node-b) holds rank 0's w, unchanged"
     assert entries(ws, "copy-") == [], "the source removed its copy folder"
+    maps = f"[x for x in open('/proc/self/maps') if {ws!r} in x]"
+    assert pool.execute(maps, ranks=[3])[3] == [], "read into memory: NFS may not keep the file"
     small = pool.copy(["small"], 0, [2])
     assert small.via == "in the message", "nothing big: all in the message"
     assert pool.execute("small.tolist()", ranks=[2])[2] == [0, 1, 2, 3]
@@ -312,7 +314,7 @@ result
     first, reads, versions, n_bad, bad = values[2]
     assert first == (None, None), "a new Workspace removes its rank's state of an earlier run"
     assert writes >= 2, f"rank 1 wrote {writes} times"
-    assert (n_bad, bad) == (0, []), f"{n_bad} of rank 2's reads were partial or broken"
+    assert n_bad == 0, f"{n_bad} of rank 2's reads were partial or broken, such as {bad}"
     assert reads >= 20, f"only {reads} reads while rank 1 wrote {writes} times"
     assert versions >= 2, f"rank 2 read {versions} version(s) of {writes}"
     assert entries(ws, ".rank_1_") == [], "no temp file is left, not even the earlier run's"

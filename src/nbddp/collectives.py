@@ -76,7 +76,7 @@ def _through_folders(obj, me, members, ranks, group, workspace) -> list:
     if me in ranks and me != dst:
         mine = _new_folder(workspace)
         try:
-            write_bundle(obj, mine)
+            write_bundle(obj, mine, shared=workspace is not None)
         except Exception as exc:
             remove_bundle(mine)
             mine, failed = f"{type(exc).__name__}: {exc}".splitlines()[0], exc

@@ -167,6 +167,24 @@ def _load_storage_file(path: str, nbytes: int, to_device: bool) -> torch.Untyped
     return (raw.to(_rank_device()) if to_device else raw).untyped_storage()
 
 
+def _read_storage_file(path: str, nbytes: int, to_device: bool) -> torch.UntypedStorage:
+    """Read into memory, not mapped: for a file on a shared folder (NFS), which its writer
+    may remove (on another host) as soon as this returns."""
+    raw = torch.empty(nbytes, dtype=torch.uint8)
+    _read_into(path, memoryview(raw.numpy()))
+    return (raw.to(_rank_device()) if to_device else raw).untyped_storage()
+
+
+def _read_into(path: str, view: memoryview) -> None:
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise EOFError(f"{path} ends at byte {done} of {len(view)}")
+            done += n
+
+
 def _load_storage_inline(data: bytearray, to_device: bool) -> torch.UntypedStorage:
     raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     return (raw.to(_rank_device()) if to_device else raw).untyped_storage()
@@ -199,8 +217,10 @@ class _Storage:
 
     With a file, only the bytes the views cover are written (the rest is a hole)."""
 
-    def __init__(self, storage: torch.UntypedStorage, device: torch.device, path: str | None):
-        self.storage, self.device, self.path = storage, device, path
+    def __init__(
+        self, storage: torch.UntypedStorage, device: torch.device, path: str | None, read: bool
+    ):
+        self.storage, self.device, self.path, self.read = storage, device, path, read
         self.written: list[tuple[int, int]] = []
         if path is not None:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
@@ -237,17 +257,22 @@ class _Storage:
     def reduce(self):
         cuda = self.device.type == "cuda"
         if self.path is not None:
-            return _load_storage_file, (self.path, self.storage.nbytes(), cuda)
+            load = _read_storage_file if self.read else _load_storage_file
+            return load, (self.path, self.storage.nbytes(), cuda)
         return _load_storage_inline, (
             pickle.PickleBuffer(self._bytes(0, self.storage.nbytes())),
             cuda,
         )
 
 
-def _load_array(path: str, dtype: str, shape: tuple):
+def _load_array(path: str, dtype: str, shape: tuple, read: bool = False):
     import numpy as np
 
-    raw = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
+    if read:  # (see _read_storage_file)
+        raw = torch.empty(os.path.getsize(path), dtype=torch.uint8)
+        _read_into(path, memoryview(raw.numpy()))
+    else:
+        raw = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
     return raw.numpy().view(np.dtype(dtype)).reshape(shape)
 
 
@@ -263,10 +288,15 @@ class Refused(TypeError):
 
 class _Pickler(cloudpickle.CloudPickler):
     def __init__(
-        self, file, directory: str | None = None, min_bytes: int = SHM_MIN_BYTES, refuse=None
+        self,
+        file,
+        directory: str | None = None,
+        min_bytes: int = SHM_MIN_BYTES,
+        refuse=None,
+        read: bool = False,
     ) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.directory = directory
+        self.directory, self.read = directory, read
         self.min_bytes = min_bytes
         self.refuse = refuse
         self.files: list[str] = []
@@ -295,7 +325,7 @@ class _Pickler(cloudpickle.CloudPickler):
             if np is not None and type(obj) is np.ndarray and self._fits_array(obj):
                 path = self._path()
                 _write(path, torch.from_numpy(np.ascontiguousarray(obj)).reshape(-1))
-                return _load_array, (path, obj.dtype.str, obj.shape)
+                return _load_array, (path, obj.dtype.str, obj.shape, self.read)
         return super().reducer_override(obj)
 
     def _fits(self, t: torch.Tensor) -> bool:
@@ -318,7 +348,8 @@ class _Pickler(cloudpickle.CloudPickler):
         holder = self.storages.get(key)
         if holder is None:
             big = self.directory is not None and storage.nbytes() >= max(self.min_bytes, 1)
-            holder = self.storages[key] = _Storage(storage, t.device, self._path() if big else None)
+            path = self._path() if big else None
+            holder = self.storages[key] = _Storage(storage, t.device, path, self.read)
         if holder.path is not None:
             holder.cover(t)
         args = (
@@ -341,12 +372,18 @@ def _numpy():
 
 
 def dumps(
-    obj: object, directory: str | None = None, min_bytes: int = SHM_MIN_BYTES, refuse=None
+    obj: object,
+    directory: str | None = None,
+    min_bytes: int = SHM_MIN_BYTES,
+    refuse=None,
+    read: bool = False,
 ) -> Shipment:
-    """Pickle ``obj``; with ``directory``, big tensors go to files there. ``refuse(o)``,
-    if given, says what an object that must not go is (then :class:`Refused`)."""
+    """Pickle ``obj``; with ``directory``, big tensors go to files there, which the
+    receiver maps (or with ``read``, reads into memory: a folder other hosts share, whose
+    files their writer may remove once it is loaded). ``refuse(o)``, if given, says what
+    an object that must not go is (then :class:`Refused`)."""
     buf = io.BytesIO()
-    pickler = _Pickler(buf, directory, min_bytes, refuse)
+    pickler = _Pickler(buf, directory, min_bytes, refuse, read)
     try:
         pickler.dump(obj)
     except BaseException:

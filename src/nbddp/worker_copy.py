@@ -90,7 +90,9 @@ def pack(namespace: dict, names: list[str], workspace: str | None = None) -> tup
     else:
         folder = os.environ.get("NBDDP_SHM_DIR") or None
     try:
-        shipment = payload.dumps(objects, folder, refuse=lambda o: bound_to_group(o, types))
+        shipment = payload.dumps(
+            objects, folder, refuse=lambda o: bound_to_group(o, types), read=workspace is not None
+        )
     except payload.Refused as exc:  # inside one of them: which (pickled again, rarely)
         for name in names:
             try:

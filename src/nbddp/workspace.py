@@ -97,10 +97,11 @@ class Workspace:
 # ---------------------------------------------------------------- one object in a folder
 
 
-def write_bundle(obj: object, folder: str) -> int:
+def write_bundle(obj: object, folder: str, shared: bool = False) -> int:
     """``obj`` in ``folder`` (new, private): its pickle, and each big tensor as a file
-    beside it, written once. Its size in bytes."""
-    shipment = payload.dumps(obj, folder)
+    beside it, written once, which the reader maps (``shared``, a folder of a workspace:
+    reads into memory, as NFS may not keep a removed file's pages). Its size in bytes."""
+    shipment = payload.dumps(obj, folder, read=shared)
     fd = os.open(os.path.join(folder, _PICKLE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(shipment.data)
