@@ -30,7 +30,7 @@ import tempfile
 import cloudpickle
 import torch
 
-from .private import hold, is_private_folder, remove_if_unheld
+from .private import UnsafeFile, checked_folder, hold, remove_if_unheld
 
 __all__ = [
     "SHM_MIN_BYTES",
@@ -96,18 +96,12 @@ def _release_removed() -> None:
 def private_dir(path: str) -> str:
     """``path`` if it is a directory only this user can enter, else a one-line error:
     nothing is written into a folder someone else made or can read."""
-    import stat
-
     try:
-        st = os.lstat(path)
+        return checked_folder(path)
     except FileNotFoundError:
         raise RuntimeError(f"nbddp's shared-memory folder {path} is gone") from None
-    if not is_private_folder(st):
-        raise RuntimeError(
-            f"refusing to write into {path}: not a private nbddp folder of this user "
-            f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)})"
-        )
-    return path
+    except UnsafeFile as exc:
+        raise RuntimeError(str(exc)) from None
 
 
 def _sweep(base: str) -> None:

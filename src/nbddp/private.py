@@ -26,6 +26,7 @@ __all__ = [
     "TokenFile",
     "UnsafeFile",
     "append_private",
+    "checked_folder",
     "hold",
     "is_private_folder",
     "make_folder",
@@ -70,12 +71,17 @@ def is_private_folder(st: os.stat_result) -> bool:
 def private_folder(path: str) -> str:
     """Make ``path`` (0700) if missing; refuse it unless it is a folder of this user that
     nobody else can enter."""
-    make_folder(path)
+    return checked_folder(make_folder(path))
+
+
+def checked_folder(path: str) -> str:
+    """``path`` if it is a folder of this user that nobody else can enter (not through a
+    symlink), else :class:`UnsafeFile` in one line (FileNotFoundError if it is gone)."""
     st = os.lstat(path)
     if not is_private_folder(st):
         raise UnsafeFile(
-            f"{path} is not a private folder of this user (owner uid {st.st_uid}, "
-            f"mode {stat.filemode(st.st_mode)}): nbddp keeps nothing there"
+            f"refusing to write into {path}: not a private folder of this user (owner uid "
+            f"{st.st_uid}, mode {stat.filemode(st.st_mode)})"
         )
     return path
 

@@ -20,13 +20,18 @@ import contextlib
 import os
 import pickle
 import shutil
-import stat
 
 import torch
 import torch.distributed as dist
 
 from . import payload
-from .private import UnsafeFile, open_private, replace_private, workspace_folder
+from .private import (
+    UnsafeFile,
+    is_private_folder,
+    open_private,
+    replace_private,
+    workspace_folder,
+)
 
 __all__ = ["Workspace", "read_bundle", "remove_bundle", "write_bundle"]
 
@@ -108,15 +113,10 @@ def write_bundle(obj: object, folder: str, shared: bool = False) -> int:
     return shipment.nbytes
 
 
-def _private(folder: str) -> bool:
-    st = os.lstat(folder)
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
-
-
 def read_bundle(folder: str) -> object:
     """The object :func:`write_bundle` left in ``folder``, if that is a private folder of
     this user (its tensors mapped from their files, private to this process)."""
-    if not _private(folder):
+    if not is_private_folder(os.lstat(folder)):
         raise UnsafeFile(f"refusing to read {folder}: not a private folder of this user")
     with open_private(os.path.join(folder, _PICKLE), "bundle file") as f:
         return payload.loads(f.read())
@@ -125,5 +125,5 @@ def read_bundle(folder: str) -> object:
 def remove_bundle(folder: str) -> None:
     """Remove a bundle's folder (if it is a private folder of this user)."""
     with contextlib.suppress(OSError):
-        if _private(folder):
+        if is_private_folder(os.lstat(folder)):
             shutil.rmtree(folder, ignore_errors=True)
