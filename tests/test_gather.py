@@ -196,25 +196,42 @@ def test_a_bad_list_is_one_line_on_every_rank_and_nothing_waits(gpool, call, mes
     assert time.monotonic() - t0 < 10  # (no rank sat in a collective)
 
 
+BAD = {  # what rank n - 1 passes, and what it raises
+    "unpicklable": ("threading.Lock()", "WS", "TypeError: cannot pickle '_thread.lock'"),
+    "refused-workspace": ("make(rank)", "OPEN", "UnsafeFile: refusing the workspace"),
+}
+
+
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("bad", BAD)
 @pytest.mark.parametrize("via", ["shm", "workspace"])
-def test_a_rank_that_cannot_write_fails_every_rank_at_once_and_the_pool_lives(gpool, via):
+def test_a_rank_that_cannot_write_fails_every_rank_at_once_and_the_pool_lives(
+    gpool, via, bad, tmp_path
+):
     n = gpool.world_size
-    bad = n - 1
+    obj, folder, says = BAD[bad]
+    if via == "shm" and folder == "OPEN":
+        pytest.skip("no workspace to refuse")
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    t0 = time.monotonic()
     got = gpool.execute(
-        "import threading\n"
-        f"obj = threading.Lock() if rank == {bad} else make(rank)\n"
+        f"import threading\nOPEN = {str(open_to_all)!r}\n"
+        f"obj = {obj} if rank == {n - 1} else make(rank)\n"
+        f"ws = {folder} if rank == {n - 1} else WS\n"
         "try:\n"
-        f"    through({via!r}, lambda ws: gather_objects(obj, workspace=ws))\n"
+        f"    through({via!r}, lambda _: gather_objects(obj, workspace=ws if _ else None))\n"
         "    r = 'no error'\n"
         "except Exception as e:\n"
         "    r = f'{type(e).__name__}: {e}'\n"
         "r"
     )
-    assert got[0].startswith(f"RuntimeError: rank {bad} could not write its object: TypeError")
-    assert got[bad].startswith("TypeError"), got[bad]
-    assert "lock" in got[bad]
-    assert all(got[r] == "no error" for r in range(1, n) if r != bad), got
+    assert time.monotonic() - t0 < 20  # no rank waited in a collective the others left
+    assert got[0].startswith(f"RuntimeError: rank {n - 1} could not write its object: {says}")
+    assert got[n - 1].startswith(says), got[n - 1]
+    assert all(got[r] == "no error" for r in range(1, n - 1)), got
+    assert os.listdir(open_to_all) == []
     assert gpool.execute("gather_objects(rank)") == [list(range(n))] + [[]] * (n - 1)
 
 

@@ -74,11 +74,12 @@ def _through_folders(obj, me, members, ranks, group, workspace) -> list:
     dst = ranks[0]
     mine, failed = None, None
     if me in ranks and me != dst:
-        mine = _new_folder(workspace)
         try:
+            mine = _new_folder(workspace)
             write_bundle(obj, mine, shared=workspace is not None)
-        except Exception as exc:
-            remove_bundle(mine)
+        except Exception as exc:  # (a refused workspace, an object that does not pickle)
+            if mine is not None:
+                remove_bundle(mine)
             mine, failed = f"{type(exc).__name__}: {exc}".splitlines()[0], exc
     names = [None] * len(members) if me == dst else None
     dist.gather_object((mine, failed is not None), names, dst=dst, group=group)
