@@ -1,4 +1,5 @@
-"""Files only this user may read: the token file, a pool's own files, --log-dir.
+"""Files only this user may read: the token file, a pool's own files, --log-dir, and
+a workspace's (a folder the hosts share).
 
 One implementation of each rule, the way ssh treats its keys:
 
@@ -9,7 +10,8 @@ One implementation of each rule, the way ssh treats its keys:
   nobody else can read, opened without following a symlink; anything else is
   refused in one line that says what is wrong and how to fix it;
 - a folder is made with mode 0700; a folder that exists is used as it is,
-  never loosened (nor tightened behind the user's back).
+  never loosened (nor tightened behind the user's back); a workspace that
+  another user owns or can write in is refused.
 """
 
 from __future__ import annotations

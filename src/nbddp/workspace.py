@@ -78,7 +78,7 @@ class Workspace:
             try:
                 state = torch.load(f, map_location="cpu", weights_only=True)
             except pickle.UnpicklingError as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc)
+                first = (str(exc).strip() or type(exc).__name__).splitlines()[0]
                 raise ValueError(
                     f"cannot read {path}: torch.load(weights_only=True) refuses it ({first}); "
                     "keep configs to dicts, lists, numbers and strings"
