@@ -85,3 +85,21 @@ def test_a_rank_killed_in_a_nccl_collective_is_replaced_on_its_own_gpu(gpu_pool)
     assert gpu_pool.execute(check) == [
         (f"cuda:{r}", r, float(n), None if r == bad else 4.0 * r, "2") for r in range(n)
     ]
+
+
+def test_gathers_of_cuda_tensors_land_on_the_first_listed_ranks_gpu(gpu_pool, tmp_path):
+    if gpu_pool.world_size < 2:
+        pytest.skip("needs 2 GPUs")
+    ws = str(tmp_path / "ws")
+    code = (
+        "from nbddp import gather_objects, gather_tensors\n"
+        "t = torch.full((300_000,), float(rank), device=device)\n"
+        "got = [gather_tensors(t, ranks=[1, 0]),\n"  # NCCL's gather
+        f"       gather_tensors(t, ranks=[1, 0], workspace={ws!r}),\n"
+        "       [o['t'] for o in gather_objects({'t': t}, ranks=[1, 0])],\n"  # shared memory
+        f"       [o['t'] for o in gather_objects({{'t': t}}, ranks=[1, 0], workspace={ws!r})]]\n"
+        "[[(str(x.device), x[0].item(), x[-1].item()) for x in out] for out in got]"
+    )
+    values = gpu_pool.execute(code)
+    assert values[1] == [[("cuda:1", 1.0, 1.0), ("cuda:1", 0.0, 0.0)]] * 4
+    assert values[0] == [[]] * 4
