@@ -869,7 +869,7 @@ def test_attach_refuses_a_token_file_others_can_read(tmp_path):
     path = tmp_path / "token"
     path.write_text("secret\n")
     path.chmod(0o644)
-    args = argparse.Namespace(listen="127.0.0.1:0", tls=False, token_file=str(path))
+    args = argparse.Namespace(listen="127.0.0.1:0", tls=False, token_file=str(path), workspace=None)
     with pytest.raises(UsageError) as caught:
         attaching.prepare(args)
     assert "\n" not in str(caught.value)
@@ -920,7 +920,9 @@ def test_a_folder_as_token_file_is_refused_in_one_line(tmp_path):
     folder.mkdir(mode=0o700)
     with pytest.raises(private.UnsafeFile, match="not a regular file"):
         private.read_token_file(str(folder))
-    args = argparse.Namespace(listen="127.0.0.1:0", tls=False, token_file=str(folder))
+    args = argparse.Namespace(
+        listen="127.0.0.1:0", tls=False, token_file=str(folder), workspace=None
+    )
     with pytest.raises(UsageError, match="not a regular file"):
         attaching.prepare(args)
 

@@ -156,7 +156,6 @@ def open_private(path: str, what: str = "file"):
         if exc.errno == 40:  # ELOOP: the last part is a symlink
             raise UnsafeFile(f"refusing the {what} {path}: it is a symlink") from None
         raise
-    f = os.fdopen(fd, "rb")
     st = os.fstat(fd)
     problem = None
     if not stat.S_ISREG(st.st_mode):
@@ -166,9 +165,9 @@ def open_private(path: str, what: str = "file"):
     elif st.st_mode & 0o077:
         problem = f"others can read it (mode {stat.filemode(st.st_mode)}); chmod 600 {path}"
     if problem:
-        f.close()
+        os.close(fd)
         raise UnsafeFile(f"refusing the {what} {path}: {problem}")
-    return f
+    return os.fdopen(fd, "rb")
 
 
 class TokenFile:
