@@ -41,3 +41,42 @@ def run(shell, capsys):
         return result, captured.out + captured.err
 
     return _run
+
+
+# ---------------------------------------------------------------- browser tests
+
+
+@pytest.fixture
+def lab(tmp_path, request):
+    """JupyterLab serving dash.ipynb (the cells: the test's parameter, else the module's
+    CELLS)."""
+    from browser_kit import notebook_root
+    from helpers import jupyter_server
+
+    root = notebook_root(tmp_path, getattr(request, "param", None) or request.module.CELLS)
+    with jupyter_server(tmp_path, root) as (base, token):
+        yield f"{base}/lab/tree/dash.ipynb?token={token}", tmp_path
+
+
+@pytest.fixture
+def notebook7(tmp_path, request):
+    """Notebook 7 (the ``notebook`` package) serving dash.ipynb."""
+    from browser_kit import notebook_root
+    from helpers import jupyter_server
+
+    root = notebook_root(tmp_path, request.param)
+    with jupyter_server(tmp_path, root, app="notebook") as (base, token):
+        yield f"{base}/notebooks/dash.ipynb?token={token}", tmp_path
+
+
+@pytest.fixture
+def browser(tmp_path):
+    from helpers import chromium
+
+    with chromium(tmp_path) as browser:
+        yield browser
+
+
+@pytest.fixture
+def page(browser):
+    return browser.new_page(viewport={"width": 1280, "height": 1000})
