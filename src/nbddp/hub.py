@@ -138,25 +138,43 @@ class Hub:
         self.relays: list[RelayLink] = []
         self.closed: list[str] = []  # connections closed for what they sent, in words
         self.arrived: queue.SimpleQueue = queue.SimpleQueue()  # (conn, hello), authenticated
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        # one selector for the pool's life: registering thousands of connections at
-        # every wait made a cell's cost grow with the square of the ranks
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._selector: selectors.BaseSelector | None = None
+        self._wake_r = self._wake_w = -1
         self._sentinel_fds: set[int] = set()
+        self.open()
+
+    def open(self) -> None:
+        """The selector and its wake pipe; made again after :meth:`close` (a stopped pool
+        started again). One selector for a pool's run: registering thousands of
+        connections at every wait made a cell's cost grow with the square of the ranks."""
+        if self._selector is not None:
+            return
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(r, selectors.EVENT_READ, None)
+        self._wake_r, self._wake_w = r, w
 
     def close(self) -> None:
-        self._selector.close()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        """Give the selector and the wake pipe back: a stopped pool holds no descriptor
+        (a session that starts and stops pools would otherwise gather three a pool)."""
+        selector, self._selector = self._selector, None
+        fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        self._sentinel_fds = set()
+        if selector is not None:
+            selector.close()
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def wake(self) -> None:
         """End a wait in :meth:`pump` (from any thread)."""
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"!")
+        fd = self._wake_w
+        if fd >= 0:
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(fd, b"!")
 
     def arrive(self, conn: Channel, hello: object, _raw: bytes = b"") -> None:
         """A connection the listener authenticated (from its thread): attached at the
@@ -167,12 +185,13 @@ class Hub:
     # ------------------------------------------------------------ watching fds
 
     def watch(self, fd: int, data: object) -> None:
+        self.open()
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(fd)  # a number reused after a close
         self._selector.register(fd, selectors.EVENT_READ, data)
 
     def unwatch(self, fd: int) -> None:
-        with contextlib.suppress(KeyError, ValueError):
+        with contextlib.suppress(KeyError, ValueError, AttributeError):  # (None: closed)
             self._selector.unregister(fd)
 
     def unwatch_conn(self, conn: Channel) -> None:
@@ -211,6 +230,7 @@ class Hub:
         """Wait for anything on any connection, stream or sentinel; return what happened."""
         if timeout != 0 and self.before_wait is not None:
             self.before_wait()  # (a detached pool's supervisor: what it holds for the kernel)
+        self.open()
         self._watch_sentinels()
         items: list[Item] = []
         ended = False

@@ -40,6 +40,7 @@ __all__ = [
     "loads",
     "locked_dir",
     "private_dir",
+    "remove_locked_dir",
     "shm_dir",
 ]
 
@@ -83,6 +84,14 @@ def locked_dir(base: str) -> str:
 
 _LOCKED = "L"  # starts the last part of a locked folder's name (mkdtemp's names are lowercase)
 _held: dict[str, int] = {}  # the folders this process made: their open, locked descriptors
+
+
+def remove_locked_dir(path: str) -> None:
+    """Remove a folder :func:`locked_dir` made here, and let its lock go with it."""
+    shutil.rmtree(path, ignore_errors=True)
+    fd = _held.pop(path, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def _release_removed() -> None:

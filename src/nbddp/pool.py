@@ -219,6 +219,7 @@ class Pool(PoolCalls):
     def stop(self, timeout: float = 5.0) -> None:
         """End every rank and helper: ask, wait up to ``timeout`` together, then SIGKILL."""
         self._teardown(keep_launcher=False, timeout=timeout)
+        self.hub.close()
         self.state = "closed"
         _LIVE_POOLS.discard(self)
 
@@ -384,8 +385,7 @@ class Pool(PoolCalls):
         return queries.stacks(self, timeout)
 
     def copy(self, names: list[str], src: int, dst: list[int] | None = None) -> copying.Copied:
-        """Bind ``names`` from rank ``src``'s namespace on ``dst`` (every other rank by
-        default), tensors on each rank's own device (see :mod:`nbddp.copying`)."""
+        """Bind rank ``src``'s ``names`` on ``dst`` (all others): :mod:`nbddp.copying`."""
         return copying.copy(self, names, src, dst)
 
     @staticmethod

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -133,8 +132,8 @@ class RankProcesses:
             self.launcher.close()
             self.launcher = None
         if self.dir is not None:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            shutil.rmtree(self.shm, ignore_errors=True)
+            payload.remove_locked_dir(self.dir)
+            payload.remove_locked_dir(self.shm)
             self.dir = None
 
 
