@@ -5,6 +5,7 @@ module carries."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -16,7 +17,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from helpers import CHROMIUM, svg_of
+from helpers import CHROMIUM, python3_notebook, svg_of
 
 ARTIFACTS = Path(__file__).parent.parent / "artifacts"
 
@@ -36,14 +37,18 @@ def notebook_root(tmp_path, cells) -> Path:
     "Select Kernel" dialog blocks the page and no kernel starts)."""
     root = tmp_path / "root"
     root.mkdir()
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    nbformat.write(nb, root / "dash.ipynb")
+    nbformat.write(python3_notebook(cells), root / "dash.ipynb")
     return root
+
+
+@contextlib.contextmanager
+def screenshot_after(page, name: str):
+    """The whole page in artifacts/NAME once the block ends, passed or failed."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    try:
+        yield
+    finally:
+        page.screenshot(path=str(ARTIFACTS / name), full_page=True)
 
 
 def run_all(page, url: str):

@@ -217,6 +217,20 @@ ANNOUNCEMENTS = "@jupyterlab/apputils-extension:announcements"
 WIDGET_MANAGER = "@jupyter-widgets/jupyterlab-manager"  # ipywidgets' (jupyterlab_widgets)
 
 
+def python3_notebook(cells: list[str]):
+    """A notebook of these code cells that names the python3 kernelspec (without it a
+    front end asks which kernel, and nbclient has none to start)."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    return nb
+
+
 def jupyter_env(tmp_path, base: dict | None = None, disabled: tuple[str, ...] = ()) -> dict:
     """``base`` (the environment) with Jupyter's and IPython's folders under ``tmp_path``,
     no JupyterLab news toast, and the front-end extensions ``disabled`` off too (as a user

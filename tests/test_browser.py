@@ -20,6 +20,7 @@ from browser_kit import (
     frozen_dashboard,
     playwright,
     run_all,
+    screenshot_after,
     svg_class,
     svg_points,
 )
@@ -59,8 +60,7 @@ CELLS_16 = [
 def test_a_rank_of_four_failing_before_a_collective_ends_the_cell_with_its_row_red(lab, page):
     expect = playwright.expect
     url, _ = lab
-    ARTIFACTS.mkdir(exist_ok=True)
-    try:
+    with screenshot_after(page, "dashboard.png"):
         cell = run_all(page, url)
         error = cell.locator(
             ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
@@ -106,8 +106,6 @@ def test_a_rank_of_four_failing_before_a_collective_ends_the_cell_with_its_row_r
             expect(everyone.locator(".nbddp-pane")).to_contain_text(
                 f"[{rank}] hello from rank {rank}"
             )
-    finally:
-        page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
 
 
 @pytest.mark.timeout(300)
@@ -115,8 +113,7 @@ def test_a_rank_of_four_failing_before_a_collective_ends_the_cell_with_its_row_r
 def test_sixteen_ranks_fold_their_lines_and_the_failed_rank_stands_out(lab, page):
     expect = playwright.expect
     url, _ = lab
-    ARTIFACTS.mkdir(exist_ok=True)
-    try:
+    with screenshot_after(page, "dashboard-16.png"):
         cell = run_all(page, url)
         live = cell.locator(".nbddp-dashboard.nbddp-live")
         expect(live).to_be_visible(timeout=120_000)
@@ -142,8 +139,6 @@ def test_sixteen_ranks_fold_their_lines_and_the_failed_rank_stands_out(lab, page
         expect(cell.locator(".jupyter-widgets")).to_have_count(0)  # frozen
         everyone = cell.locator("details.nbddp-log-all")
         expect(everyone).to_contain_text("all ranks log (3 lines)")
-    finally:
-        page.screenshot(path=str(ARTIFACTS / "dashboard-16.png"), full_page=True)
 
 
 CELLS_PDB = [
@@ -158,8 +153,7 @@ CELLS_PDB = [
 def test_a_breakpoint_in_a_rank_asks_in_the_cells_input_box(lab, page):
     expect = playwright.expect
     url, _ = lab
-    ARTIFACTS.mkdir(exist_ok=True)
-    try:
+    with screenshot_after(page, "debugger-end.png"):
         cell = run_all(page, url)
         box = cell.locator(".jp-Stdin-input")
         expect(box).to_be_visible(timeout=120_000)
@@ -179,8 +173,6 @@ def test_a_breakpoint_in_a_rank_asks_in_the_cells_input_box(lab, page):
         expect(cell.locator(".jp-InputArea-prompt")).not_to_contain_text("[*]", timeout=60_000)
         expect(cell.locator(".nbddp-row.nbddp-done")).to_have_count(3)
         expect(cell.locator(".jp-Stdin-input")).to_have_count(2)  # two lines, no third box
-    finally:
-        page.screenshot(path=str(ARTIFACTS / "debugger-end.png"), full_page=True)
 
 
 # rank 2 of 4 kills itself while the others wait for it in all_reduce; the cell after it
@@ -209,8 +201,7 @@ CELLS_REPLACED = [
 def test_a_rank_of_four_killed_in_a_collective_is_replaced_and_the_next_cell_runs(lab, page):
     expect = playwright.expect
     url, _ = lab
-    ARTIFACTS.mkdir(exist_ok=True)
-    try:
+    with screenshot_after(page, "replaced-rank.png"):
         cell = run_all(page, url)  # "Run all" stops at the cell's error
         error = cell.locator(
             ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
@@ -260,8 +251,6 @@ def test_a_rank_of_four_killed_in_a_collective_is_replaced_and_the_next_cell_run
         top, bottom = first["y"] - 10, last["y"] + last["height"] + 10
         clip = {"x": panel["x"], "y": top, "width": panel["width"], "height": bottom - top}
         page.screenshot(path=str(ARTIFACTS / "replaced-rank-notebook.png"), clip=clip)
-    finally:
-        page.screenshot(path=str(ARTIFACTS / "replaced-rank.png"), full_page=True)
 
 
 # -- the README's picture (scripts/screenshot.sh): a real dashboard, all four things in view

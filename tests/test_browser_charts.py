@@ -26,6 +26,7 @@ from browser_kit import (
     metrics_test,
     playwright,
     run_all,
+    screenshot_after,
     svg_class,
     svg_points,
     svg_texts,
@@ -39,12 +40,9 @@ pytestmark = SKIPS
 @pytest.mark.parametrize("lab", [CELLS_METRICS], indirect=True)
 def test_four_ranks_logging_two_metrics_draw_a_line_per_rank_live_then_frozen(lab, page):
     url, _ = lab
-    ARTIFACTS.mkdir(exist_ok=True)
-    try:
+    with screenshot_after(page, "metrics.png"):
         run_all(page, url)
         metrics_test(page)
-    finally:
-        page.screenshot(path=str(ARTIFACTS / "metrics.png"), full_page=True)
 
 
 @pytest.mark.timeout(300)
@@ -52,15 +50,12 @@ def test_four_ranks_logging_two_metrics_draw_a_line_per_rank_live_then_frozen(la
 @pytest.mark.parametrize("notebook7", [CELLS_METRICS], indirect=True)
 def test_notebook_7_draws_the_live_charts_and_keeps_them_frozen(notebook7, page):
     url, _ = notebook7
-    ARTIFACTS.mkdir(exist_ok=True)
-    try:
+    with screenshot_after(page, "metrics-notebook7.png"):
         open_notebook(page, url)  # Notebook 7 has no status bar: its app says when idle
         assert page.evaluate("() => window.jupyterapp.name") == "Jupyter Notebook"
         playwright.expect(page.locator("#top-panel")).to_be_visible()  # not JupyterLab
         run_all_cells(page)
         metrics_test(page)
-    finally:
-        page.screenshot(path=str(ARTIFACTS / "metrics-notebook7.png"), full_page=True)
 
 
 def expect_band_with_rank_7_outlying(scope, timeout: float = 5_000) -> None:
@@ -107,8 +102,7 @@ def frozen_band_with_rank_7_outlying(frozen) -> None:
 @pytest.mark.parametrize("lab", [CELLS_METRICS_16], indirect=True)
 def test_sixteen_ranks_draw_a_band_and_a_median_and_name_the_outlying_rank(lab, page):
     url, _ = lab
-    ARTIFACTS.mkdir(exist_ok=True)
-    try:
+    with screenshot_after(page, "metrics-16.png"):
         cell = run_all(page, url)
         live = live_dashboard(cell)
         expect_band_with_rank_7_outlying(live, timeout=60_000)
@@ -116,8 +110,6 @@ def test_sixteen_ranks_draw_a_band_and_a_median_and_name_the_outlying_rank(lab, 
         page.screenshot(path=str(ARTIFACTS / "metrics-16-live.png"), full_page=True)
         frozen = frozen_dashboard(cell)
         frozen_band_with_rank_7_outlying(frozen)
-    finally:
-        page.screenshot(path=str(ARTIFACTS / "metrics-16.png"), full_page=True)
 
 
 # -- the charts' SVG as a browser lays it out (charts_html of made-up lines: no server)

@@ -32,6 +32,7 @@ from helpers import (
     frozen_charts,
     jupyter_server,
     open_notebook,
+    python3_notebook,
     run_all_cells,
     svg_of,
 )
@@ -104,12 +105,7 @@ def drawn_charts(scope, count: int = len(METRICS)) -> list[dict]:
 def executed(tmp_path_factory):
     """The notebook, executed by nbclient and saved: (path, its %%ddp cell's display output)."""
     tmp = tmp_path_factory.mktemp("static")
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
+    nb = python3_notebook(CELLS)
     saved = os.environ.copy()
     os.environ["JUPYTER_RUNTIME_DIR"] = str(tmp / "runtime")
     os.environ["IPYTHONDIR"] = str(tmp / "ipython")
@@ -306,12 +302,7 @@ def test_a_front_end_without_a_widget_manager_shows_the_static_summary_then_the_
 
     root = tmp_path / "root"
     root.mkdir()
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS_RUNNING])
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
+    nb = python3_notebook(CELLS_RUNNING)
     nbformat.write(nb, root / "plain.ipynb")
     server = jupyter_server(tmp_path, root, disabled=(WIDGET_MANAGER,))
     with server as (base, token):
