@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .payload import private_dir, shm_dir
-from .private import workspace_folder
-from .workspace import read_bundle, remove_bundle, write_bundle
+from .workspace import new_folder, read_bundle, remove_bundle, write_bundle
 
 __all__ = ["all_to_all", "gather_objects", "gather_tensors"]
 
@@ -59,7 +58,7 @@ def _new_folder(workspace) -> str:
     own shared-memory folder (removed with the pool); else (torchrun, no pool) on tmpfs,
     locked while this process lives (swept if it dies before the first rank removes it)."""
     if workspace is not None:
-        return tempfile.mkdtemp(prefix="gather-", dir=workspace_folder(os.fspath(workspace)))
+        return new_folder(workspace, "gather")
     pool_dir = os.environ.get("NBDDP_SHM_DIR")
     if pool_dir:
         return tempfile.mkdtemp(prefix="gather-", dir=private_dir(pool_dir))

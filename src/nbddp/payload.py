@@ -171,21 +171,23 @@ def _load_storage_file(path: str, nbytes: int, to_device: bool) -> torch.Untyped
 
 
 def _read_storage_file(path: str, nbytes: int, to_device: bool) -> torch.UntypedStorage:
-    """Read into memory, not mapped: for a file on a shared folder (NFS), which its writer
-    may remove (on another host) as soon as this returns."""
-    raw = torch.empty(nbytes, dtype=torch.uint8)
-    _read_into(path, memoryview(raw.numpy()))
+    raw = _read_file(path, nbytes)
     return (raw.to(_rank_device()) if to_device else raw).untyped_storage()
 
 
-def _read_into(path: str, view: memoryview) -> None:
+def _read_file(path: str, nbytes: int) -> torch.Tensor:
+    """The file's bytes read into memory, not mapped: for a file on a shared folder (NFS),
+    which its writer (on another host) may remove as soon as this returns."""
+    raw = torch.empty(nbytes, dtype=torch.uint8)
+    view = memoryview(raw.numpy())
     with open(path, "rb", buffering=0) as f:
         done = 0
-        while done < len(view):
+        while done < nbytes:
             n = f.readinto(view[done:])
             if not n:
-                raise EOFError(f"{path} ends at byte {done} of {len(view)}")
+                raise EOFError(f"{path} ends at byte {done} of {nbytes}")
             done += n
+    return raw
 
 
 def _load_storage_inline(data: bytearray, to_device: bool) -> torch.UntypedStorage:
@@ -271,11 +273,11 @@ class _Storage:
 def _load_array(path: str, dtype: str, shape: tuple, read: bool = False):
     import numpy as np
 
-    if read:  # (see _read_storage_file)
-        raw = torch.empty(os.path.getsize(path), dtype=torch.uint8)
-        _read_into(path, memoryview(raw.numpy()))
+    size = os.path.getsize(path)
+    if read:
+        raw = _read_file(path, size)
     else:
-        raw = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
+        raw = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
     return raw.numpy().view(np.dtype(dtype)).reshape(shape)
 
 

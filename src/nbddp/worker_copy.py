@@ -21,12 +21,11 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 
 import torch
 
 from . import payload
-from .private import workspace_folder
+from .workspace import new_folder
 
 __all__ = ["bound_to_group", "pack", "remove"]
 
@@ -86,7 +85,7 @@ def pack(namespace: dict, names: list[str], workspace: str | None = None) -> tup
             raise TypeError(_refusal(name, namespace[name], what, inside=False))
     objects = {n: namespace[n] for n in names}
     if workspace is not None:
-        folder = tempfile.mkdtemp(prefix="copy-", dir=workspace_folder(workspace))
+        folder = new_folder(workspace, "copy")
     else:
         folder = os.environ.get("NBDDP_SHM_DIR") or None
     try:

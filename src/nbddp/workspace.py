@@ -20,6 +20,7 @@ import contextlib
 import os
 import pickle
 import shutil
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from .private import (
     workspace_folder,
 )
 
-__all__ = ["Workspace", "read_bundle", "remove_bundle", "write_bundle"]
+__all__ = ["Workspace", "new_folder", "read_bundle", "remove_bundle", "write_bundle"]
 
 _PICKLE = "object.pkl"
 
@@ -100,6 +101,11 @@ class Workspace:
 
 
 # ---------------------------------------------------------------- one object in a folder
+
+
+def new_folder(path: str | os.PathLike, prefix: str) -> str:
+    """A new private folder ``PREFIX-XXXX`` in the workspace at ``path`` (checked)."""
+    return tempfile.mkdtemp(prefix=f"{prefix}-", dir=workspace_folder(os.fspath(path)))
 
 
 def write_bundle(obj: object, folder: str, shared: bool = False) -> int:
