@@ -29,6 +29,44 @@ def healthy(pool):
     return pool
 
 
+_DIGEST_SRC = """
+import hashlib, io, types, torch, cloudpickle
+
+def _digest(obj):
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return f"tensor {t.dtype} {tuple(t.shape)} " + hashlib.sha256(raw).hexdigest()
+    if isinstance(obj, torch.nn.Module):
+        return "module " + _digest(obj.state_dict())
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer " + _digest(obj.state_dict())
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{k!r}: {_digest(v)}" for k, v in obj.items()) + "}"
+    if isinstance(obj, list | tuple):
+        return type(obj).__name__ + "[" + ", ".join(_digest(v) for v in obj) + "]"
+    if isinstance(obj, types.ModuleType):
+        return "module " + obj.__name__
+    try:
+        return hashlib.sha256(cloudpickle.dumps(obj)).hexdigest()
+    except Exception:
+        return f"{type(obj).__qualname__} at {id(obj):#x}"
+
+def digest(ns):
+    return {k: _digest(v) for k, v in ns.items() if not k.startswith("_")}
+"""
+
+# An expression a rank evaluates to {name: digest of its value} for every global name
+# (values by content: tensors, modules and optimizers by their bytes), defining nothing.
+NAMESPACE_DIGEST = f"(lambda d: (exec({_DIGEST_SRC!r}, d), d['digest'](globals()))[1])({{}})"
+
+
+def namespace_digests(pool, ranks=None) -> list[dict]:
+    """Every rank's namespace, names and values, as digests: compare before and after an
+    event to prove nothing was lost (or exactly what was)."""
+    return pool.execute(NAMESPACE_DIGEST, ranks=ranks)
+
+
 def collect(events):
     """Run a cell's events to the end: (text by (rank, stream), all events, CellEnd)."""
     text: dict[tuple[int, str], str] = {}

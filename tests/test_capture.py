@@ -351,9 +351,9 @@ def test_what_was_shipped_counts_as_unchanged_while_the_notebook_binds_the_same_
 
     shipped, t, big = Shipped(), torch.ones(2), [1, 2]
     assert not shipped.unchanged(1, "t", t)
-    shipped.sent("t", t)
-    shipped.sent("n", 5)  # not weakly referable: held as it is
-    shipped.sent("big", big)
+    shipped.sent(1, "t", t)
+    shipped.sent(1, "n", 5)  # not weakly referable: held as it is
+    shipped.sent(1, "big", big)
     assert shipped.unchanged(1, "t", t)
     assert shipped.unchanged(1, "n", 5)
     assert shipped.unchanged(1, "big", big)
@@ -363,12 +363,22 @@ def test_what_was_shipped_counts_as_unchanged_while_the_notebook_binds_the_same_
     assert not shipped.unchanged(2, "n", 5)
 
 
+def test_an_objects_version_holds_across_generations_while_the_notebook_binds_it():
+    shipped, t, n = Shipped(), torch.ones(2), 5
+    first = shipped.versions({"t": t, "n": n})
+    assert shipped.versions({"t": t, "n": n}) == first  # the same objects, any generation
+    again = shipped.versions({"t": torch.ones(2), "n": 6})  # rebound in the notebook
+    assert again["t"] != first["t"]
+    assert again["n"] != first["n"]
+    assert len({first["t"], first["n"], again["t"], again["n"]}) == 4
+
+
 def test_a_collected_object_is_not_mistaken_for_a_new_one():
     import gc
 
     shipped = Shipped()
     t = torch.ones(2)
-    shipped.sent("t", t)
+    shipped.sent(1, "t", t)
     del t
     gc.collect()
     assert not shipped.unchanged(1, "t", None)
@@ -543,7 +553,7 @@ def test_what_was_shipped_is_not_kept_alive_by_the_record():
     import weakref
 
     shipped, t = Shipped(), torch.ones(2)
-    shipped.sent("t", t)
+    shipped.sent(1, "t", t)
     alive = weakref.ref(t)
     del t
     gc.collect()

@@ -55,3 +55,27 @@ def test_addresses():
     assert parse_address("/tmp/x/pool.sock") == ("/tmp/x/pool.sock", "AF_UNIX")
     assert parse_address("unix:rel.sock") == ("rel.sock", "AF_UNIX")
     assert parse_address("10.0.0.1:5555") == (("10.0.0.1", 5555), "AF_INET")
+
+
+def test_a_rank_waits_for_the_stores_address_with_a_deadline_and_keeps_other_messages(
+    monkeypatch,
+):
+    """Issue 35.7: no unbounded wait and no ``assert`` on what the pool sends."""
+    import queue
+
+    from nbddp import protocol as P
+    from nbddp import worker_group as G
+
+    inbox: queue.Queue = queue.Queue()
+    keeper = G.GroupKeeper(1, 2, lambda msg: None, inbox)
+    first, later = P.Interrupt(7), P.Interrupt(8)
+    for msg in (first, P.JoinGroup(4242), later):
+        inbox.put(msg)
+    assert keeper._store_port() == 4242
+    assert [inbox.get_nowait(), inbox.get_nowait()] == [first, later]  # kept, in order
+    inbox.put(P.AbortGroup())
+    with pytest.raises(RuntimeError, match="gave up forming the group"):
+        keeper._store_port()
+    monkeypatch.setattr(G, "JOIN_TIMEOUT", 0.2)
+    with pytest.raises(TimeoutError, match=r"rank 1 waited 0\.2 s for rank 0's store address"):
+        keeper._store_port()

@@ -8,10 +8,18 @@ shipped to which generation of the pool; :mod:`nbddp.capture` does the reading.
 from __future__ import annotations
 
 from . import capture
-from .errors import CaptureError
+from .errors import CaptureError, NbddpError
 from .session import say
 
 __all__ = ["AutoCapture"]
+
+
+def _held(pool) -> frozenset[str]:
+    """The names any rank of ``pool`` has (none, if it cannot say: it was stopped)."""
+    try:
+        return frozenset().union(*(pool.names_on([r]) for r in range(pool.world_size)))
+    except NbddpError:
+        return frozenset()
 
 
 class AutoCapture:
@@ -38,22 +46,35 @@ class AutoCapture:
             if stmt not in self.import_log:
                 self.import_log.append(stmt)
 
-    def record_cell_imports(self, pool, cell: str) -> None:
+    def record_cell_imports(self, pool, cell: str, failed: bool = False) -> None:
         """A ``%%ddp`` cell ran on every rank: its imports join the log, so that a rank
-        with a fresh namespace (one that took a dead rank's place) gets them too."""
+        with a fresh namespace (one that took a dead rank's place) gets them too. Of a
+        cell that ``failed``, the imports that ran: those whose names a rank now has."""
         generation, done = self._replayed
         fresh = [
             stmt
             for stmt in capture.import_statements(self.shell.transform_cell(cell))
             if stmt not in self.import_log
         ]
+        if failed:  # (replayed with the next cell to all: a rank may have failed first)
+            self.import_log += [s for s in fresh if capture.names_imported([s]) <= _held(pool)]
+            return
         self.import_log += fresh
         if (generation, done) == (pool.generation, len(self.import_log) - len(fresh)):
             self._replayed = (generation, len(self.import_log))  # every rank has run them
 
+    def versions(self, pool, objects: dict[str, object], ranks) -> dict[str, int]:
+        """The notebook's version of each object it ships (``--need``, push, automatic
+        capture), for :meth:`nbddp.Pool.run`; sent to every rank: not shipped again."""
+        for name, obj in objects.items():
+            if ranks is None:
+                self.shipped.sent(pool.generation, name, obj)
+        return self.shipped.versions(objects)
+
     def ship(self, pool, cell: str, ranks, explicit, imports: str):
-        """Names ``cell`` reads that only the notebook has (a shipment), and the imports to
-        run first (the notebook's not yet replayed, then ``imports``); said in one line."""
+        """Names ``cell`` reads that only the notebook has (a shipment, and their
+        versions), and the imports to run first (the notebook's not yet replayed, then
+        ``imports``); said in one line."""
         objects, sizes, notes, auto = self._select(pool, cell, ranks, explicit)
         generation, done = self._replayed
         replay = self.import_log[done if generation == pool.generation else 0 :]
@@ -66,7 +87,8 @@ class AutoCapture:
             say("shipped " + ", ".join(said) if objects else ", ".join(said))
         for note in notes:
             say(note)
-        return auto, "\n".join([*replay, imports] if imports else replay)
+        versions = self.versions(pool, objects, ranks)
+        return auto, versions, "\n".join([*replay, imports] if imports else replay)
 
     def _select(self, pool, cell: str, ranks, explicit):
         """(objects, their sizes, notes, the packed shipment) for ``cell``."""
@@ -83,6 +105,4 @@ class AutoCapture:
             auto = capture.pack(objects, pool.shm_folder)
         except CaptureError as exc:
             return {}, {}, [str(exc)], None
-        for name, obj in objects.items():
-            self.shipped.sent(name, obj)
         return objects, sizes, notes, auto

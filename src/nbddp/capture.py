@@ -8,6 +8,7 @@ nothing has changed on the ranks.
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 import symtable
 import weakref
@@ -291,32 +292,57 @@ def import_statements(code: str) -> list[str]:
     ]
 
 
+_GONE = object()  # what a record of a collected object answers
+
+
 class Shipped:
-    """What automatic capture sent to one generation of a pool, to send only what changed.
+    """What the notebook sent to one generation of a pool, to send only what changed, and
+    a version of each object it ever sent, so a rank that holds it already keeps its own.
 
     An object counts as unchanged while the notebook binds the same object to
-    the name (in-place changes are not seen: ``--need`` ships those).
+    the name (in-place changes are not seen: ``--need`` ships those). Its version
+    stays the same across generations, so after a rank is replaced (a new
+    generation) the object goes again for the new rank, while the others keep
+    the copy they hold, changed in place or not.
     """
 
     def __init__(self) -> None:
         self.generation = -1  # pragma: no mutate (any number no pool has)
         self._sent: dict[str, object] = {}
+        self._versions: dict[str, tuple[object, int]] = {}  # name -> (ref, version)
+        self._count = itertools.count(1)
 
     def _ref(self, obj: object):
         try:
             ref = weakref.ref(obj)
-            return lambda: ref()
+            return lambda: ref() if ref() is not None else _GONE  # (not None: a value)
         except TypeError:  # ints, strs, lists, dicts: small, held as they are
             return lambda: obj
 
-    def unchanged(self, generation: int, name: str, obj: object) -> bool:
+    def _at(self, generation: int) -> None:
         if generation != self.generation:
             self.generation, self._sent = generation, {}
+
+    def unchanged(self, generation: int, name: str, obj: object) -> bool:
+        self._at(generation)
         ref = self._sent.get(name)
         return ref is not None and ref() is obj
 
-    def sent(self, name: str, obj: object) -> None:
+    def sent(self, generation: int, name: str, obj: object) -> None:
+        """Every rank of ``generation`` holds ``obj`` as ``name`` now."""
+        self._at(generation)
         self._sent[name] = self._ref(obj)
+
+    def versions(self, objects: dict[str, object]) -> dict[str, int]:
+        """Each object's version: the same while the notebook binds the same object."""
+        out = {}
+        for name, obj in objects.items():
+            ref, version = self._versions.get(name, (None, 0))
+            if ref is None or ref() is not obj:
+                version = next(self._count)
+                self._versions[name] = (self._ref(obj), version)
+            out[name] = version
+        return out
 
 
 def select_auto(

@@ -44,7 +44,7 @@ __all__ = ["IDLE_TIMEOUT", "Supervisor", "main"]
 IDLE_TIMEOUT = 3600.0  # s without a kernel before the pool stops itself (0: never)
 BACKLOG = 10_000  # output events kept while no kernel is connected (the rest counted)
 HELLO_TIMEOUT = 5.0  # s a connection has to say hello after it authenticated
-CALLS = ("status", "stacks", "copy", "restart", "names_on", "listing", "stop")
+CALLS = ("status", "stacks", "copy", "restart", "names_on", "listing", "stop", "ready")
 
 
 class Supervisor:

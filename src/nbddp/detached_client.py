@@ -70,6 +70,9 @@ class DetachedPool(PoolCalls):
     def names_on(self, ranks=None) -> frozenset[str]:
         return self._call("names_on", ranks)
 
+    def ready(self) -> None:
+        self._call("ready")
+
     # -- the wire
 
     def _put(self, msg: object) -> None:

@@ -38,7 +38,7 @@ from .options import (
     help_text,
     parse_argstring,
 )
-from .pool import Pool, raise_for_end
+from .pool import Pool, failures_of, raise_for_end
 from .prompts import debug_prompt, launcher_hints
 from .session import SESSION, Refused, say
 from .sizes import human
@@ -121,8 +121,10 @@ class DDPMagics(PoolCommands, Magics):
         capture.parse_ranks(args.ranks)  # its form, before a pool is started for it
         pool = self.session.want_pool()
         ranks = capture.parse_ranks(args.ranks, pool.world_size)  # before /dev/shm is written
+        pool.ready()
         payload = capture.pack(objects, pool.shm_folder)
-        self._finish(pool, pool.run("", ranks=ranks, needs=payload), TextSink())
+        versions = self.capture.versions(pool, objects, ranks)
+        self._finish(pool, pool.run("", ranks=ranks, needs=payload, versions=versions), TextSink())
 
     def _pull(self, rest: str):
         args = parse_argstring(ddp_pull, rest)
@@ -201,17 +203,20 @@ class DDPMagics(PoolCommands, Magics):
         if args.out is not None and not args.out.isidentifier():
             raise UsageError(f"--out takes a variable name, not {args.out!r}")
         pool = self.session.want_pool(args.n)
+        pool.ready()  # a rank replaced now gets what is shipped below
         if ranks and max(ranks) >= pool.world_size:
             raise UsageError(f"--ranks: no rank {max(ranks)} in a pool of {pool.world_size}")
         needs = capture.pack(named, pool.shm_folder)
-        auto = None
+        auto, versions = None, self.capture.versions(pool, named, ranks)
         if self.capture.on and not args.no_auto:
-            auto, imports = self.capture.ship(pool, cell, ranks, explicit, imports)
+            auto, more, imports = self.capture.ship(pool, cell, ranks, explicit, imports)
+            versions.update(more)
         events = pool.run(
             cell,
             ranks=ranks,
             needs=needs,
             auto=auto,
+            versions=versions,
             imports=imports,
             want_values=args.out is not None,
             timeout=args.timeout,
@@ -220,9 +225,13 @@ class DDPMagics(PoolCommands, Magics):
             profile=args.profile,
         )
         sink = self._sink(pool, ranks, text=args.text, quiet=args.quiet, fold=not args.no_fold)
-        self._finish(pool, events, sink, out=args.out)
-        if ranks is None and self.capture.on and not args.no_auto:
-            self.capture.record_cell_imports(pool, cell)
+        failed = True
+        try:
+            self._finish(pool, events, sink, out=args.out)
+            failed = False
+        finally:
+            if ranks is None and self.capture.on and not args.no_auto:
+                self.capture.record_cell_imports(pool, cell, failed)
 
     def _sink(
         self, pool: Pool, ranks: list[int] | None, *, text: bool, quiet: bool, fold: bool = True
@@ -248,7 +257,9 @@ class DDPMagics(PoolCommands, Magics):
         end = drive(pool, events, sink, prompt=debug_prompt, shown=self._teed)
         if end.profiles:
             print(profiling.report(end.profiles))
-        if out is not None:
+        if out is not None and failures_of(end, pool.hosts):  # as `x = f()` when f raises
+            say(f"--out {out}: the cell failed, so {out} was left as it was")
+        elif out is not None:
             self.shell.user_ns[out] = [end.values.get(r) for r in range(pool.world_size)]
         try:
             raise_for_end(end, pool.hosts)

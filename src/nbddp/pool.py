@@ -114,8 +114,9 @@ class Pool(PoolCalls):
         self.hub.exits = lambda: self.procs.exited(self.roster.pids())
         self.roster.hub = self.hub
         self._cells = itertools.count(1)
-        # counts starts and replaced ranks: a new generation has ranks with fresh namespaces
-        # (so the notebook's imports are replayed to them)
+        # a new one at each start and each replacement: a new generation has ranks with
+        # fresh namespaces (so the notebook's imports and objects go to them again); random
+        # at each start, so that no two pools share one
         self.generation = 0
 
     def __del__(self) -> None:
@@ -198,7 +199,7 @@ class Pool(PoolCalls):
                     pid = self.procs.start(rank, self.address, rank_env(self, rank))
                     self.roster.add(rank, pid)
             self.handshake(self.start_timeout)
-            self.generation += 1
+            self.generation = secrets.randbits(48) << 16
             self.state = "ready"
         except BaseException:
             self._teardown(keep_launcher=False)
@@ -297,6 +298,12 @@ class Pool(PoolCalls):
         for item in self.hub.drain(rank):
             yield P.Output(item.rank, item.stream, item.text)
 
+    def ready(self) -> None:
+        """Make the pool ready for a cell now: a rank that died since the last cell is
+        replaced, a pool that lost its state started anew (said with the next cell). A
+        front end calls it before it decides what to ship, so that a new rank gets it."""
+        recovery.ready_for_a_cell(self)
+
     def run(
         self,
         code: str,
@@ -304,6 +311,7 @@ class Pool(PoolCalls):
         ranks: list[int] | None = None,
         needs: dict[str, object] | payload.Shipment | None = None,
         auto: payload.Shipment | None = None,
+        versions: dict[str, int] | None = None,
         imports: str = "",
         want_values: bool = False,
         timeout: float | None = None,
@@ -319,8 +327,11 @@ class Pool(PoolCalls):
 
         ``needs`` maps names to objects bound on the ranks before the cell
         (or is a shipment made by :func:`nbddp.capture.pack`); ``auto`` is
-        bound only on ranks that lack the name. Interrupt with :meth:`interrupt` (or a
-        KeyboardInterrupt while waiting); ``timeout`` seconds behave the same.
+        bound only on ranks that lack the name. ``versions`` names the notebook's version of
+        each shipped object: a rank that holds that version keeps its copy (trained in
+        place, maybe), and an object without one is the rank's own. Interrupt with
+        :meth:`interrupt` (or a KeyboardInterrupt while waiting); ``timeout`` seconds
+        behave the same.
         Rich output (``display``, figures) comes from ``display_ranks`` (rank 0
         by default). With ``tick``, a ``Tick`` is yielded after that many
         seconds without any other event. With ``script``, that file runs as
@@ -349,6 +360,7 @@ class Pool(PoolCalls):
             imports=imports,
             needs=needs and needs.data,
             auto=auto and auto.data,
+            versions=tuple(sorted((versions or {}).items())),
             want_value=want_values,
             shm=not self.attached,
             script=script,

@@ -267,6 +267,9 @@ class Run:
     imports: str = ""
     needs: bytes | None = None  # {name: object} (nbddp.payload), bound on the rank
     auto: bytes | None = None  # {name: object} captured automatically: bound where unbound
+    # (name, version) of the notebook's objects in needs and auto: a rank that holds a
+    # version keeps it (see CellRunner._bind); a name without one becomes the rank's own
+    versions: tuple[tuple[str, int], ...] = ()
     want_value: bool = False
     display: bool = False  # send rich output (display(), figures) from this rank
     shm: bool = True  # the notebook shares this rank's /dev/shm: big values come back there

@@ -99,6 +99,7 @@ class CellRunner:
         self.ship_dir: str | None = None  # where big values go back to the notebook
         self._reported_names: frozenset[str] = frozenset()
         self.shipped: dict[str, object] = {}  # name -> the object the notebook sent
+        self.versions: dict[str, int] = {}  # name -> the notebook's version of that object
         self.failed: types.TracebackType | None = None  # where the last failed cell raised
         self.failed_oom = False  # ... and it ran out of memory (its frames were let go)
         self.namespace: dict = {}
@@ -209,10 +210,11 @@ class CellRunner:
             raise KeyboardInterrupt
         if msg.imports:
             run_code(msg.imports, f"{CELL_PREFIX}imports>", self.namespace)
+        versions = dict(msg.versions)
         if msg.needs:
-            self._bind(payload.loads(msg.needs), overwrite=True)
+            self._bind(payload.loads(msg.needs), versions, overwrite=True)
         if msg.auto:
-            self._bind(payload.loads(msg.auto), overwrite=False)
+            self._bind(payload.loads(msg.auto), versions, overwrite=False)
         filename = f"{CELL_PREFIX}cell-{msg.cell}>"
         if msg.post_mortem:
             self._post_mortem()
@@ -246,6 +248,7 @@ class CellRunner:
         (else None: the notebook's record stands)."""
         for name in [n for n in self.shipped if not self._from_notebook(n)]:
             del self.shipped[name]  # the rank rebound it: it is the rank's own now
+            self.versions.pop(name, None)
         names = frozenset(
             k for k in self.namespace if not k.startswith("__") and k not in self.shipped
         )
@@ -267,15 +270,30 @@ class CellRunner:
         except Exception:
             traceback.print_exc()
 
-    def _bind(self, objects: dict, overwrite: bool) -> None:
+    def _bind(self, objects: dict, versions: dict[str, int], overwrite: bool) -> None:
         """Bind shipped objects; automatic capture never overwrites the rank's own.
 
-        A name still bound to what the notebook shipped is the notebook's, not
-        the rank's: a newer version from the notebook replaces it.
+        An object with a version is the notebook's: a name still bound to it stays
+        the notebook's, and a newer version (the notebook bound the name to another
+        object) replaces it; the same version is kept as the rank holds it (changed
+        in place, maybe: a model it trained). An object without one (``%ddp copy``,
+        a function's arguments) is the rank's own from now on.
         """
         for name, obj in objects.items():
-            if overwrite or name not in self.namespace or self._from_notebook(name):
-                self.namespace[name] = self.shipped[name] = adopt(obj, self.namespace)
+            version = versions.get(name)
+            if not overwrite and not self._notebook_may_bind(name, version):
+                continue
+            self.namespace[name] = obj = adopt(obj, self.namespace)
+            if version is None:
+                self.shipped.pop(name, None)
+                self.versions.pop(name, None)
+            else:
+                self.shipped[name], self.versions[name] = obj, version
+
+    def _notebook_may_bind(self, name: str, version: int | None) -> bool:
+        if name not in self.namespace:
+            return True
+        return self._from_notebook(name) and self.versions.get(name) != version
 
     def _from_notebook(self, name: str) -> bool:
         return name in self.shipped and self.namespace.get(name) is self.shipped[name]

@@ -17,6 +17,7 @@ import queue
 import socket
 import stat
 import threading
+import time
 import traceback
 from collections.abc import Callable
 
@@ -98,6 +99,9 @@ def _default_store() -> dist.Store | None:
 def _store_port() -> int | None:
     port = os.environ.get("MASTER_PORT", "")
     return int(port) if port.isdigit() else None
+
+
+JOIN_TIMEOUT = 300.0  # seconds a rank waits for the store's address (the pool's own is 120)
 
 
 class GroupKeeper:
@@ -225,11 +229,32 @@ class GroupKeeper:
             store = self._open_store(addr)
             self._send(P.StorePort(store.port))
         else:
-            msg = self._inbox.get()
-            assert isinstance(msg, P.JoinGroup), msg
-            store = dist.TCPStore(addr, msg.port, self.world_size, False)
+            store = dist.TCPStore(addr, self._store_port(), self.world_size, False)
         os.environ["MASTER_PORT"] = str(store.port)
         return store
+
+    def _store_port(self) -> int:
+        """The port of rank 0's store, which the pool sends (``JoinGroup``), waited for
+        until JOIN_TIMEOUT. Other messages that come meanwhile wait their turn."""
+        deadline, early = time.monotonic() + JOIN_TIMEOUT, []
+        try:
+            while True:
+                try:
+                    msg = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise TimeoutError(
+                        f"rank {self.rank} waited {JOIN_TIMEOUT:g} s for rank 0's store "
+                        "address, which the pool did not send"
+                    ) from None
+                if isinstance(msg, P.JoinGroup):
+                    return msg.port
+                if isinstance(msg, P.AbortGroup):
+                    raise RuntimeError("the pool gave up forming the group (AbortGroup)")
+                early.append(msg)
+        finally:
+            with self._inbox.mutex:  # back at the front, in the order they came
+                self._inbox.queue.extendleft(reversed(early))
+                self._inbox.not_empty.notify(len(early))
 
     def _open_store(self, addr: str) -> dist.TCPStore:
         # bound here, on MASTER_ADDR only: TCPStore alone would listen on every
