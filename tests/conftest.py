@@ -25,6 +25,22 @@ def pool_of_size(request):
 
 
 @pytest.fixture
+def kernel(tmp_path, monkeypatch):
+    """A real Jupyter kernel (jupyter_client): (manager, client), shut down after."""
+    from jupyter_client.manager import start_new_kernel
+
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
+    try:
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+
+
+@pytest.fixture
 def pool(shared_pool):
     """The session's 2-rank pool, healthy at the start of each test."""
     return healthy(shared_pool)

@@ -20,19 +20,6 @@ from nbddp.errors import NbddpError
 pytestmark = pytest.mark.kernel
 
 
-@pytest.fixture
-def kernel(tmp_path, monkeypatch):
-    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
-    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
-    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
-    try:
-        yield km, kc
-    finally:
-        kc.stop_channels()
-        if km.is_alive():
-            km.shutdown_kernel(now=True)
-
-
 class Reply:
     def __init__(self) -> None:
         self.stdout = ""

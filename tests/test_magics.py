@@ -140,7 +140,9 @@ def test_a_dead_rank_is_replaced_and_copy_heals_it(shell, run):
         message,
         re.M,
     )  # (imports of earlier tests' cells too)
-    assert had and had[1] == "model, step" and {"js", "math"} <= set(had[2].split(", ")), message
+    assert had, message
+    assert had[1] == "model, step", message
+    assert {"js", "math"} <= set(had[2].split(", ")), message
     result, out = run(
         "%%ddp --out seen\n(step if 'step' in globals() else None, math.pi * scale, js.dumps(1))"
     )

@@ -134,3 +134,26 @@ def test_a_new_pool_gets_the_notebooks_objects_and_imports_again(shell, run):
         cell(shell, run, "%%ddp --quiet --out a\nx_for_all + len(json.dumps(1))")
         assert shell.user_ns["a"] == [6] * n
     shell.run_cell("%ddp stop")
+
+
+@pytest.mark.kernel
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n", [3, 8])
+def test_in_a_kernel_a_rank_killed_mid_cell_leaves_the_survivors_what_they_trained(kernel, n):
+    """The issue's own steps, as a user types them: the notebook's ``w`` is trained in
+    place on every rank; rank 1 is SIGKILLed in a cell; the next cell reads ``w``: the
+    survivors print what they trained, the new rank the notebook's."""
+    from test_kernel import execute, pool_pids, ranks_printing
+
+    _, kc = kernel
+    execute(kc, "%load_ext nbddp")
+    assert execute(kc, "import torch\nw = torch.zeros(3)").error is None
+    for _ in range(2):
+        assert execute(kc, f"%%ddp -n {n} --text\nw += 1").error is None
+    pid = pool_pids(kc)[1]
+    r = execute(kc, f"%%ddp --text\nimport os, signal\nif rank == 1: os.kill({pid}, 9)")
+    assert "rank 1 died (killed by SIGKILL)" in str(r.error), r.text
+    r = execute(kc, "%%ddp --text --no-fold\nprint(w.tolist())")
+    assert r.error is None, r.text
+    assert ranks_printing(r.stdout, "[2.0, 2.0, 2.0]") == set(range(n)) - {1}, r.stdout
+    assert ranks_printing(r.stdout, "[0.0, 0.0, 0.0]") == {1}, r.stdout
