@@ -67,11 +67,12 @@ class PoolCommands:
     def _start_local(self, n: int | None, options: dict) -> None:
         """``%ddp start`` without --detached: checked, then a start, resize or restart."""
         pool = self.pool
-        if getattr(pool, "detached", False) or getattr(pool, "needs_restart", False):
-            # a detached pool runs on without this kernel; a lost one holds nothing
+        if pool is not None and (
+            pool.attached or getattr(pool, "detached", False) or pool.needs_restart
+        ):  # not a pool `%ddp start` made, or one that holds nothing: checked, let go
             size = n or default_world_size()
             self.session.check(size, **merged(self.session.options, options))
-            self.session.release()
+            self.session.let_go()
         self.session.want_pool(n, **options)
 
     def _start_detached(self, args, options: dict) -> None:

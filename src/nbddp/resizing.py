@@ -42,7 +42,8 @@ class Resized:
 
     def line(self) -> str:
         """``resized the pool 4 -> 2 ranks in 0.31 s: ranks 2, 3 stopped (they held ...)``."""
-        head = f"resized the pool {self.old} -> {self.new} ranks in {self.seconds:.2f} s: "
+        ranks = f"rank{'s' * (self.new > 1)}"
+        head = f"resized the pool {self.old} -> {self.new} {ranks} in {self.seconds:.2f} s: "
         if self.new > self.old:
             added = rank_set(list(range(self.old, self.new)))
             are = "are" if self.new - self.old > 1 else "is"

@@ -119,6 +119,8 @@ class Session:
         pool = self.pool
         if pool is None or getattr(pool, "closed", False) or not pool.started:
             return False
+        if pool.attached or getattr(pool, "detached", False):
+            return False  # not a pool `%ddp start` makes
         same = merged(self.options, options) == self.options
         return same and n in (None, pool.world_size)
 
@@ -207,8 +209,7 @@ def merged(old: dict, new: dict) -> dict:
 
 def what_it_held(pool) -> str:
     """``they held model, opt`` (the names each rank had of its own, short)."""
-    names = resizing.held(pool)
-    return resizing.held_words(names, "they" if len(names) > 1 else "it")
+    return resizing.held_words(resizing.held(pool), "they" if pool.world_size > 1 else "it")
 
 
 def _lost(pool) -> str:
