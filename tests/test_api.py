@@ -204,7 +204,7 @@ def test_devices_that_are_not_there_are_clear_errors():
     if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         with pytest.raises(ValueError, match=r"--device mps: Apple's Metal \(MPS\) is not"):
             Pool(2, device="mps")
-    with pytest.raises(ValueError, match="--gpus names 1 GPUs for 2 ranks"):
+    with pytest.raises(ValueError, match="--gpus names 1 GPU for 2 ranks"):
         Pool(2, gpus=[0])
     with pytest.raises(
         ValueError, match="--mesh dp=2,tp=3: 2 x 3 = 6 ranks, but the world size is 4"

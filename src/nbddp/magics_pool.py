@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 from . import attaching, capture, detaching, reports
 from .errors import PoolStartError
 from .options import ddp_attach, ddp_connect, ddp_start, parse_argstring
-from .session import default_world_size, merged, say, what_it_held
+from .session import default_world_size, say, what_it_held
 
 __all__ = ["PoolCommands"]
 
@@ -71,9 +71,9 @@ class PoolCommands:
             pool.attached or getattr(pool, "detached", False) or pool.needs_restart
         ):  # not a pool `%ddp start` made, or one that holds nothing: checked, let go
             size = n or default_world_size()
-            self.session.check(size, **merged(self.session.options, options))
+            self.session.check(size, **options)
             self.session.let_go()
-        self.session.want_pool(n, **options)
+        self.session.want_pool(n, exact=True, **options)
 
     def _start_detached(self, args, options: dict) -> None:
         """``%ddp start --detached NAME``: the options and the name checked, then the pool

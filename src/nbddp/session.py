@@ -79,7 +79,7 @@ class Session:
         """This kernel lets the pool go: a local one stops, a detached one runs on."""
         self.use(None)
 
-    def want_pool(self, n: int | None = None, **options) -> Pool:
+    def want_pool(self, n: int | None = None, *, exact: bool = False, **options) -> Pool:
         """The pool, started, with ``n`` ranks when given and ``options`` (None: as before).
 
         Everything is checked first: a refusal (:class:`Refused`) leaves the running pool
@@ -87,9 +87,10 @@ class Session:
         (the ranks that stay keep their namespaces); other options restart it (every
         rank's state is lost, and that is said); an attached or detached pool is never
         replaced. A pool that cannot start raises :class:`~nbddp.PoolStartError`, which
-        says what the pool it replaced held, and is let go.
+        says what the pool it replaced held, and is let go. ``exact`` (``%ddp start``):
+        options left unset are the defaults, not as before.
         """
-        options = merged(self.options, options)
+        options = effective(options) if exact else merged(self.options, options)
         pool = self.pool
         if getattr(pool, "closed", False):  # a detached pool gone or taken over (said once)
             self.use(None)
@@ -115,13 +116,14 @@ class Session:
         return pool
 
     def unchanged(self, n: int | None = None, **options) -> bool:
-        """The pool runs with ``n`` ranks (None: as it has) and these options already."""
+        """The pool runs with ``n`` ranks (None: as it has) and exactly these options (unset:
+        the defaults) already: ``%ddp start`` has nothing to do."""
         pool = self.pool
         if pool is None or getattr(pool, "closed", False) or not pool.started:
             return False
         if pool.attached or getattr(pool, "detached", False):
             return False  # not a pool `%ddp start` makes
-        same = merged(self.options, options) == self.options
+        same = effective(options) == self.options
         return same and n in (None, pool.world_size)
 
     @staticmethod
