@@ -93,7 +93,7 @@ def check_layout(n, device, gpus, groups, mesh) -> None:
     if gpus is not None and len(gpus) < n:
         raise ValueError(
             f"--gpus names {len(gpus)} GPU{'s' * (len(gpus) != 1)} for {n} ranks: name "
-            f"{n}, or use -n {len(gpus)}"
+            f"{n} GPUs, or use -n {len(gpus)}"
         )
     for group in parse_groups(groups):
         if not group or any(not 0 <= r < n for r in group):
