@@ -110,7 +110,7 @@ def test_ranch_resizes_the_shared_pool_and_raises_rank_errors(capsys):
         return dist.get_world_size()
 
     assert nbddp.ranch(1, world) == [1]
-    assert "restarting the pool with 1 rank" in capsys.readouterr().out
+    assert "resized the pool 2 -> 1 rank in" in capsys.readouterr().out  # rank 0 kept
 
     def fail():
         import torch.distributed as dist
@@ -204,7 +204,7 @@ def test_devices_that_are_not_there_are_clear_errors():
     if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         with pytest.raises(ValueError, match=r"--device mps: Apple's Metal \(MPS\) is not"):
             Pool(2, device="mps")
-    with pytest.raises(ValueError, match="--gpus names 1 GPUs for 2 ranks"):
+    with pytest.raises(ValueError, match="--gpus names 1 GPU for 2 ranks"):
         Pool(2, gpus=[0])
     with pytest.raises(
         ValueError, match="--mesh dp=2,tp=3: 2 x 3 = 6 ranks, but the world size is 4"

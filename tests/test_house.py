@@ -17,7 +17,7 @@ CORE = {
     "queries", "layout", "logs", "drive", "sigint", "supervisor", "launch", "payload",
     "capture", "protocol", "events", "errors", "stacks", "streams", "sizes", "store",
     "copying", "detached", "detached_client", "detached_wire", "pool_calls", "wire",
-    "handshake", "private", "tls", "markers",
+    "handshake", "private", "tls", "markers", "resizing",
 }  # fmt: skip
 FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",

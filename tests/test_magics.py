@@ -160,11 +160,12 @@ def test_a_dead_rank_is_replaced_and_copy_heals_it(shell, run):
     assert sums[2] == sums[0] != sums[1]
 
 
-def test_a_new_size_restarts_the_pool_in_one_line(shell, run):
+def test_a_new_size_resizes_the_pool_in_one_line(shell, run):
     run("%%ddp -n 2\npass")
     result, out = run("%%ddp -n 1 --out ws\nworld_size")
     assert result.success
-    assert "restarting the pool with 1 rank" in out
+    assert "resized the pool 2 -> 1 rank in" in out
+    assert "rank 1 stopped (it held " in out
     assert shell.user_ns["ws"] == [1]
 
 

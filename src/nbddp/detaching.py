@@ -7,13 +7,24 @@ import time
 
 from IPython.core.error import UsageError
 
-from . import detached_client
+from . import detached_client, detached_wire
 from .detached import IDLE_TIMEOUT
 from .errors import NbddpError
 from .session import Session, default_world_size, say
 from .sinks import columns
 
-__all__ = ["connect", "disconnect", "start", "stop", "table"]
+__all__ = ["check_name", "connect", "disconnect", "start", "stop", "table"]
+
+
+def check_name(name: str) -> None:
+    """Refuse, before anything is let go, a name ``start`` cannot take: malformed, or a
+    detached pool's that runs."""
+    try:
+        detached_wire.folder_of(name)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if any(p["name"] == name for p in detached_client.listing()):
+        raise UsageError(f"a detached pool named {name} runs already: %ddp connect {name}")
 
 
 def start(name: str, n: int | None, idle_timeout: float | None, options: dict):

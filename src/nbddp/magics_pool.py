@@ -12,8 +12,9 @@ import time
 from IPython.core.error import UsageError
 
 from . import attaching, capture, detaching, reports
+from .errors import PoolStartError
 from .options import ddp_attach, ddp_connect, ddp_start, parse_argstring
-from .session import say
+from .session import default_world_size, say, what_it_held
 
 __all__ = ["PoolCommands"]
 
@@ -22,6 +23,8 @@ class PoolCommands:
     """``%ddp start|attach|status|stacks|restart|stop|connect|list|disconnect|interrupt``."""
 
     def _start(self, rest: str) -> None:
+        """Start the pool; with one running: a no-op with the same options, a resize with
+        only another -n, else a restart. Everything is checked before it is touched."""
         args = parse_argstring(ddp_start, rest)
         if args.tee and not args.log_dir:
             raise UsageError("--tee needs --log-dir: the other ranks' output would go nowhere")
@@ -33,8 +36,6 @@ class PoolCommands:
         tee = capture.parse_ranks(args.tee) if args.tee else None
         log_dir = os.path.abspath(os.path.expanduser(args.log_dir)) if args.log_dir else None
         workspace = attaching.workspace(args.workspace, make=True)
-        self.capture.on, self.capture.limit, self.tee = not args.no_auto, auto_limit, tee
-        self.session.release()
         options = dict(
             backend=args.backend,
             start_method=args.start_method,
@@ -52,16 +53,57 @@ class PoolCommands:
             on_death=args.on_death,
         )
         if args.detached:
-            self.session.use(detaching.start(args.detached, args.n, args.idle_timeout, options))
+            self._start_detached(args, options)
+        elif self.session.unchanged(args.n, **options):
+            n = self.pool.world_size
+            say(
+                f"the pool already runs with these options ({n} rank{'s' * (n > 1)}); "
+                "%ddp restart starts it anew"
+            )
         else:
-            self.session.want_pool(args.n, **options)
+            self._start_local(args.n, options)
+        self.capture.on, self.capture.limit, self.tee = not args.no_auto, auto_limit, tee
+
+    def _start_local(self, n: int | None, options: dict) -> None:
+        """``%ddp start`` without --detached: checked, then a start, resize or restart."""
+        pool = self.pool
+        if pool is not None and (
+            pool.attached or getattr(pool, "detached", False) or pool.needs_restart
+        ):  # not a pool `%ddp start` made, or one that holds nothing: checked, let go
+            size = n or default_world_size()
+            self.session.check(size, **options)
+            self.session.let_go()
+        self.session.want_pool(n, exact=True, **options)
+
+    def _start_detached(self, args, options: dict) -> None:
+        """``%ddp start --detached NAME``: the options and the name checked, then the pool
+        this kernel had is let go, then the detached one started."""
+        n = args.n or default_world_size()
+        self.session.check(n, **options)
+        detaching.check_name(args.detached)
+        lost = self.session.let_go()
+        try:
+            pool = detaching.start(args.detached, n, args.idle_timeout, options)
+        except (UsageError, PoolStartError) as exc:
+            raise UsageError(f"{exc}; {lost}" if lost else str(exc)) from None
+        self.session.use(pool)
 
     def _attach(self, rest: str) -> None:
         """Wait for ranks started by torchrun elsewhere to connect, then use them."""
         args = parse_argstring(ddp_attach, rest)
-        where = attaching.prepare(args)
-        self.session.release()
-        self.session.use(attaching.attach(args, *where))
+        host, port, token, _ = where = attaching.prepare(args)
+        self.session.check(
+            args.world_size,
+            listen=(host, port),
+            token=token,
+            start_timeout=args.timeout,
+            workspace=args.workspace,
+        )
+        lost = self.session.let_go()
+        try:
+            self.session.use(attaching.attach(args, *where))
+        except UsageError as exc:
+            raise UsageError(f"{exc}; {lost}" if lost else str(exc)) from None
 
     def _status(self, rest: str) -> None:
         """One row per rank: pid, host, device, state, uptime, memory."""
@@ -77,6 +119,8 @@ class PoolCommands:
             raise UsageError("no pool to restart: start one with %ddp start or %%ddp")
         if self.pool.attached:
             raise UsageError("an attached pool restarts with torchrun: run it again, then attach")
+        if not getattr(self.pool, "detached", False):
+            self.session.check(self.pool.world_size, **self.session.options)
         t0 = time.perf_counter()
         self.pool.restart()
         say(
@@ -95,8 +139,13 @@ class PoolCommands:
     def _connect(self, rest: str) -> None:
         """Connect to a detached pool: ``%ddp connect NAME [--force]``."""
         args = parse_argstring(ddp_connect, rest)
-        self.session.release()
-        pool = detaching.connect(args.name, args.force)
+        held = self.pool
+        if getattr(held, "name", None) == args.name and not args.force and not held.closed:
+            say(f"already connected to the detached pool {args.name}")
+            return
+        pool = detaching.connect(args.name, args.force)  # first: a wrong name changes nothing
+        if held is not None and not getattr(held, "detached", False) and held.started:
+            say(f"stopped the pool of this kernel: {what_it_held(held)}")
         self.session.use(pool)
         if pool.resumed:  # a cell ran while no kernel was connected: its output and end
             self._finish(pool, pool.resume(), self._sink(pool, None, text=False, quiet=False))

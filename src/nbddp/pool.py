@@ -25,12 +25,12 @@ import time
 import weakref
 from collections.abc import Iterator
 
-from . import capture, copying, payload, queries, recovery
+from . import capture, copying, payload, queries, recovery, resizing
 from . import protocol as P
 from .cell import Cell, Requests, make_runs
 from .errors import NbddpError
 from .hub import Hub
-from .layout import check_layout, check_options
+from .layout import check_pool
 from .listener import Listener, bind_tcp, bind_unix
 from .logs import LogDir
 from .outcome import failures_of, raise_for_end
@@ -84,8 +84,26 @@ class Pool(PoolCalls):
         threads: str | int | None = None,
         on_death: str = "replace",
     ) -> None:
-        check_options(n, start_method, backend, listen, token, threads, on_death)
-        check_layout(n, device, gpus, groups, mesh)
+        check_pool(
+            n,
+            start_method=start_method,
+            backend=backend,
+            pg_timeout=pg_timeout,
+            start_timeout=start_timeout,
+            grace=grace,
+            abort_after=abort_after,
+            listen=listen,
+            token=token,
+            device=device,
+            gpus=gpus,
+            seed=seed,
+            groups=groups,
+            mesh=mesh,
+            log_dir=log_dir,
+            workspace=workspace,
+            threads=threads,
+            on_death=on_death,
+        )
         self.world_size = n
         self.start_method, self.backend, self.pg_timeout = start_method, backend, pg_timeout
         self.start_timeout, self.grace, self.abort_after = start_timeout, grace, abort_after
@@ -399,6 +417,11 @@ class Pool(PoolCalls):
     def copy(self, names: list[str], src: int, dst: list[int] | None = None) -> copying.Copied:
         """Bind rank ``src``'s ``names`` on ``dst`` (all others): :mod:`nbddp.copying`."""
         return copying.copy(self, names, src, dst)
+
+    def resize(self, n: int) -> resizing.Resized:
+        """``n`` ranks: those that stay keep their namespaces, new ones start fresh, the
+        group is formed again (:mod:`nbddp.resizing`); for a local pool whose ranks are up."""
+        return resizing.resize(self, n)
 
     @staticmethod
     def connect(name: str, force: bool = False):

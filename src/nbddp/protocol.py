@@ -91,7 +91,7 @@ __all__ = [
     *events.__all__,
 ]
 
-PROTOCOL_VERSION = 6  # 6: Metrics
+PROTOCOL_VERSION = 7  # 6: Metrics; 7: Reform carries the world size (a resize)
 
 
 # ---------------------------------------------------------------- data
@@ -316,10 +316,12 @@ class Reform:
     """Form a new default process group, keeping the namespace.
 
     ``generation`` names it in the store the ranks already share, so a re-form
-    opens no new store connection.
+    opens no new store connection. ``world_size`` (0: unchanged) is the group's size
+    when the pool was resized: the rank's ``world_size`` and env follow it.
     """
 
     generation: int = 0
+    world_size: int = 0
 
 
 @dataclass(frozen=True)

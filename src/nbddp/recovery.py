@@ -185,15 +185,16 @@ def _formed_again(pool, dead: list[int]):
     return had
 
 
-def _form_again(pool, dead: list[int], timeout: float) -> dict:
+def _form_again(pool, dead: list[int], timeout: float, new: tuple[int, ...] = ()) -> dict:
     """Every rank forms the group again (namespaces kept), a new process in place of each
     of ``dead`` and of each rank that dies meanwhile (then the survivors are freed from
     the re-form that waits for it, and every rank joins the next one). PoolStartError if
-    not all joined within ``timeout``, or an interrupt ended the wait."""
+    not all joined within ``timeout``, or an interrupt ended the wait. ``new``: ranks a
+    resize adds (their records hold no process yet), started fresh (nbddp.resizing)."""
     roster, requests = pool.roster, pool.requests
     roster.store_port = None
     had: dict[int, _Dead] = {}
-    pending, fresh, again = sorted(dead), set(), False
+    pending, fresh, again = sorted(dead), set(new), False
     requests.reforming, requests.cancel_wait = True, False
     try:
         while True:
@@ -218,7 +219,7 @@ def _form_again(pool, dead: list[int], timeout: float) -> dict:
                 r.state = "starting"
                 if again:  # free those waiting in the re-form a death broke
                     r.send(P.AbortGroup())
-                r.send(P.Reform(roster.reforms))
+                r.send(P.Reform(roster.reforms, pool.world_size))
             fresh, again = set(restart), True
             try:
                 pool.handshake(timeout, lambda: requests.cancel_wait)

@@ -71,6 +71,7 @@ class Worker:
         self.group = GroupKeeper(self.rank, self.world_size, self.send, self.control.inbox)
         self.cells = CellRunner(self.rank, self.send, self.group, relayed)
         self.debug: debugger.Remote | None = None
+        self.user_omp = env.get("OMP_NUM_THREADS")  # the user's own, kept for a resize
 
     def serve(self) -> int:
         self._start()
@@ -131,13 +132,24 @@ class Worker:
 
     def _reform(self, msg: P.Reform) -> None:
         """A new default group; the namespace (and its stale objects) stays, also when the
-        re-form fails (the pool then tries the next one, or stops the pool)."""
+        re-form fails (the pool then tries the next one, or stops the pool). A resized
+        pool's re-form says its new size."""
+        if msg.world_size and msg.world_size != self.world_size:
+            self._resize(msg.world_size)
         try:
             self.group.reform(msg.generation)
         except Exception as exc:
             self.send(P.ReformFailed(msg.generation, error_info(exc)))
             return
         self._ready(msg.generation)
+
+    def _resize(self, n: int) -> None:
+        """The pool now has ``n`` ranks (all on this host: a resize is for local pools):
+        what torchrun would have set for ``n``, in the env, the namespace and the group."""
+        self.world_size = self.local_world_size = self.group.world_size = n
+        os.environ.update(WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))
+        self.cells.namespace["world_size"] = n
+        self._apply_threads()
 
     def _ready(self, generation: int) -> None:
         named = self.cells.changed_names()
@@ -159,11 +171,7 @@ class Worker:
 
     def _apply_threads(self) -> None:
         """Intra-op threads as torchrun sets them (torch was imported before the env var)."""
-        n = threads_for(
-            self.local_world_size,
-            os.environ.get("NBDDP_THREADS"),
-            os.environ.get("OMP_NUM_THREADS"),
-        )
+        n = threads_for(self.local_world_size, os.environ.get("NBDDP_THREADS"), self.user_omp)
         if n is not None:
             os.environ["OMP_NUM_THREADS"] = str(n)
             torch.set_num_threads(n)
