@@ -81,44 +81,6 @@ def collect(events):
     return text, seen, end
 
 
-# A digest of a rank's namespace, by name (names and values): run as a cell, it leaves
-# nothing behind but dunder names (which it does not read). Tensors by their bytes, modules
-# by their parameters and buffers, modules (imports) by name, the rest by pickle, else repr.
-NAMESPACE_DIGEST = """\
-def __nbddp_digest():
-    import hashlib, pickle, types
-    import torch
-    def data(v):
-        if isinstance(v, types.ModuleType):
-            return b"module " + v.__name__.encode()
-        if isinstance(v, torch.Tensor):
-            t = v.detach().cpu().contiguous().flatten()
-            return repr((t.dtype, tuple(v.shape))).encode() + t.view(torch.uint8).numpy().tobytes()
-        if isinstance(v, torch.nn.Module):
-            return type(v).__name__.encode() + b"".join(
-                k.encode() + data(t) for k, t in v.state_dict().items()
-            )
-        try:
-            return pickle.dumps(v)
-        except Exception:
-            return (type(v).__name__ + repr(v)).encode()
-    return {
-        k: hashlib.sha256(data(v)).hexdigest()[:16]
-        for k, v in sorted(globals().items())
-        if not k.startswith("__") and k != "_"
-    }
-try:
-    __nbddp_out = __nbddp_digest()
-finally:
-    del __nbddp_digest
-__nbddp_out"""
-
-
-def namespace_digests(pool) -> list[dict[str, str]]:
-    """Every rank's namespace digest (name -> digest of its value), by rank."""
-    return pool.execute(NAMESPACE_DIGEST)
-
-
 def wait_gone(pids, timeout=10.0, zombies=True):
     """Pids still alive after waiting up to ``timeout`` (zombies count as gone if ``zombies``)."""
     deadline = time.monotonic() + timeout
