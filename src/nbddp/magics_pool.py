@@ -18,6 +18,19 @@ from .session import say
 __all__ = ["PoolCommands"]
 
 
+def _heal(text: str | None, on_death: str) -> list[str] | None:
+    """``--heal model,opt``: the names, checked before any pool is touched."""
+    if not text:
+        return None
+    names = capture.split_names(text)
+    bad = [n for n in names if not n.isidentifier()]
+    if bad:
+        raise UsageError(f"--heal: not a name: {bad[0]!r}")
+    if on_death != "replace":
+        raise UsageError("--heal needs --on-death replace: a pool that restarts heals no rank")
+    return names
+
+
 class PoolCommands:
     """``%ddp start|attach|status|stacks|restart|stop|connect|list|disconnect|interrupt``."""
 
@@ -33,6 +46,7 @@ class PoolCommands:
         tee = capture.parse_ranks(args.tee) if args.tee else None
         log_dir = os.path.abspath(os.path.expanduser(args.log_dir)) if args.log_dir else None
         workspace = attaching.workspace(args.workspace, make=True)
+        heal = _heal(args.heal, args.on_death)  # (checked before the pool is let go)
         self.capture.on, self.capture.limit, self.tee = not args.no_auto, auto_limit, tee
         self.session.release()
         options = dict(
@@ -50,6 +64,7 @@ class PoolCommands:
             debug=args.debug or None,
             threads=args.threads,
             on_death=args.on_death,
+            heal=heal,
         )
         if args.detached:
             self.session.use(detaching.start(args.detached, args.n, args.idle_timeout, options))
