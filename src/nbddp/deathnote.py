@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import protocol as P
-from .sizes import human
 
 __all__ = ["Healed", "ordered", "replaced_note"]
 
@@ -21,7 +20,6 @@ NAMES_SAID = 12  # the names a dead rank held, said in full up to this many
 # modules, optimizers, tensors and arrays by size; then data, functions, classes, the rest
 _ORDER = {"module": 0, "optimizer": 1, "tensor": 2, "array": 2, "object": 3, "function": 4,
           "class": 5}  # fmt: skip
-_SIZED = ("module", "optimizer", "tensor", "array")
 
 
 @dataclass(frozen=True)
@@ -48,10 +46,7 @@ def ordered(held) -> list[P.Held]:
 
 
 def _said(held: list[P.Held]) -> str:
-    words = [f"{h.name} ({h.kind} {human(h.nbytes)})" if h.kind in _SIZED else h.name
-             for h in held[:NAMES_SAID]]  # fmt: skip
-    more = f" and {len(held) - NAMES_SAID} more" if len(held) > NAMES_SAID else ""
-    return ", ".join(words) + more
+    return _names(h.name for h in held)
 
 
 def _names(names) -> str:
@@ -60,41 +55,41 @@ def _names(names) -> str:
     return ", ".join(names[:NAMES_SAID]) + more
 
 
-def _healed(healed: Healed) -> str:
+def _healed(rank: int, healed: Healed) -> str:
+    names = _names(healed.names)
     if healed.error:
-        names = _names(healed.names)
-        return f"--heal could not copy {names} from rank {healed.src}: {healed.error}"
-    wrapped = f", {_names(healed.rewrapped)} wrapped again in DDP on every rank"
+        return f"rank {rank}: --heal could not copy {names} from rank {healed.src}: {healed.error}"
+    wrapped = f"; {_names(healed.rewrapped)} wrapped again in DDP on every rank"
     missing = f" (rank {healed.src} has no {_names(healed.missing)})" if healed.missing else ""
     return (
-        f"{_names(healed.names)} healed from rank {healed.src} in {healed.seconds:.2f} s"
-        + (wrapped if healed.rewrapped else "")
+        f"rank {rank}: {names} healed from rank {healed.src} in {healed.seconds:.2f} s"
         + missing
+        + (wrapped if healed.rewrapped else "")
     )
 
 
-def replaced_note(rank: int, dead_held, fresh: frozenset[str], healed: Healed | None) -> str:
-    """One line for a rank whose process was replaced: ``dead_held`` is what the dead
-    process reported (``P.Held``), ``fresh`` the names a new process starts with."""
+def replaced_note(rank: int, dead_held, fresh: frozenset[str], healed: Healed | None) -> list:
+    """The lines for a rank whose process was replaced: ``dead_held`` is what the dead
+    process reported (``P.Held``), ``fresh`` the names a new process starts with: what it
+    had (what matters first), what ``--heal`` copied, what the notebook had sent."""
     lost = ordered(h for h in dead_held if h.name not in fresh)
     copied = set(healed.names) if healed is not None and not healed.error else set()
     imported = [h.name for h in lost if h.kind == "import" and not h.shipped]
     gone = [h for h in lost if h.kind != "import" and not h.shipped and h.name not in copied]
     sent = [h for h in lost if h.shipped and h.name not in copied]
-    parts = [f"rank {rank}: a new process took its place"]
-    if healed is not None:
-        parts.append(_healed(healed))
-    had = f"it had {_said(gone)} (gone)" if gone else ""
-    if not gone and not copied:
-        had = "it had nothing of its own (as of its last finished cell)"
+    if gone:
+        had = f"it had {_said(gone)} (gone)"
+    else:
+        had = f"it had nothing {'else ' if copied else ''}of its own (as of its last finished cell)"
     if imported:
-        imports = f"had imported {_names(sorted(imported))}"
-        had = f"{had} and {imports}" if had else f"it {imports}"
-    if had:
-        parts.append(had)
+        had += f" and had imported {_names(sorted(imported))}"
+    lines = [f"rank {rank}: a new process took its place; {had}"]
+    if healed is not None:
+        lines.append(_healed(rank, healed))
     if sent:
-        parts.append(
-            f"{_said(sent)} came from the notebook (--need or automatic capture sends "
-            f"{'them' if len(sent) > 1 else 'it'} again)"
+        them = "them" if len(sent) > 1 else "it"
+        lines.append(
+            f"rank {rank} had {_said(sent)} from the notebook: --need or automatic capture "
+            f"sends {them} again"
         )
-    return "; ".join(parts)
+    return lines

@@ -132,7 +132,7 @@ def _fresh(pool, had: dict) -> dict[int, frozenset[str]]:
 
 
 def _replaced_notes(pool, had: dict, took: float, fresh: dict, healed) -> list[str]:
-    notes = [replaced_note(rank, had[rank].held, fresh[rank], healed) for rank in sorted(had)]
+    notes = [line for r in sorted(had) for line in replaced_note(r, had[r].held, fresh[r], healed)]
     new = S.rank_set(sorted(had)).replace("rank", "new rank", 1)
     if len(had) < pool.world_size:
         notes.append(

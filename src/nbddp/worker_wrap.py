@@ -39,7 +39,8 @@ def _refuse(name: str, why: str) -> TypeError:
 def ddp_options(name: str, ddp) -> dict:
     """The options ``ddp`` was made with, as plain data (TypeError: it cannot be re-made)."""
     if ddp.process_group.size() != dist.get_world_size():
-        raise _refuse(name, f"is over a subgroup of {ddp.process_group.size()} ranks")
+        size = f"{ddp.process_group.size()} of {dist.get_world_size()}"
+        raise _refuse(name, f"is over a subgroup ({size} ranks)")
     if getattr(ddp, "_comm_hooks", None):
         raise _refuse(name, "has a communication hook (register_comm_hook)")
     if getattr(ddp, "mixed_precision", None) is not None or getattr(
