@@ -86,10 +86,11 @@ def test_copy_of_a_ddp_model_and_optimizer_matches_the_source_then_trains(heal_p
     pool = heal_pool
     n = pool.world_size
     _setup(pool)
-    # every rank's weights and optimizer differ; rank 0 (DDP broadcasts from it) is a target
+    # every rank's weights differ, and the target's optimizer; the target is rank 0, the
+    # rank DDP's constructor broadcasts from
     pool.execute(
         "with torch.no_grad():\n    for p in model.parameters():\n        p.add_(rank)\n"
-        "opt.param_groups[0]['lr'] = 0.01 * (rank + 1)"
+        "if rank == 0:\n    opt.param_groups[0]['lr'] = 0.5"
     )
     src = n - 1
     before = pool.execute("digest()")
@@ -227,3 +228,38 @@ def test_heal_names_are_checked_before_a_pool_starts():
     with pytest.raises(ValueError, match="on_death='restart' replaces no rank"):
         Pool(2, heal=["model"], on_death="restart")
     assert Pool(2, heal="model, opt").heal == ("model", "opt")
+
+
+FSDP2 = """
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+import torch.distributed as dist
+dp = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+fully_shard(net, mesh=dp)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+"""
+SHARDED = (
+    "cannot copy 'net': it is a module sharded with fully_shard: each rank holds only its "
+    "own shard of the one model (a copy between live ranks would change nothing, and a dead "
+    "rank's shard died with it); save a checkpoint (torch.distributed.checkpoint) and load "
+    "it on every rank"
+)
+
+
+@pytest.mark.timeout(180)
+def test_an_fsdp2_model_is_refused_with_the_reason_and_heal_says_it_and_goes_on():
+    with Pool(2, grace=1.0, heal=["net", "opt"]) as pool:
+        pool.execute(FSDP2)
+        with pytest.raises(CaptureError) as err:
+            pool.copy(["net", "opt"], 0, [1])
+        assert str(err.value) == f"rank 0: {SHARDED}"
+        pid = pool.pids[1]
+        os.kill(pid, signal.SIGKILL)
+        assert wait_gone([pid]) == []
+        _, _, end = collect(pool.run("rank"))
+        assert f"rank 1: --heal could not copy net, opt from rank 0: rank 0: {SHARDED}" in (
+            end.notes
+        ), end.notes
+        assert pool.execute("('net' in globals(), rank)") == [(True, 0), (False, 1)]

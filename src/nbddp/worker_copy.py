@@ -15,7 +15,11 @@ pickle.
 A DDP wrapper travels as the module it wraps and its options; every rank then
 wraps again together (:mod:`nbddp.worker_wrap`). Other objects bound to the process
 group cannot be copied (the destination's group is its own): an FSDP wrapper, a
-DeviceMesh, a ProcessGroup, a DTensor, or a DDP wrapper inside another object.
+DeviceMesh, a ProcessGroup, a DTensor, or a DDP wrapper inside another object. A
+module sharded with ``fully_shard`` (FSDP2) is one model of which each rank holds a
+shard: between live ranks a copy would give each rank back its own shard, and a
+dead rank's shard is gone with it, so it is refused with that reason (a checkpoint
+is the way to bring it back).
 
 The destinations bind what they receive with :func:`unpack`, as their own (not as
 the notebook's: automatic capture never replaces a copied object).
@@ -37,13 +41,14 @@ from .workspace import new_folder
 __all__ = ["bound_to_group", "pack", "remove", "unpack"]
 
 CARRIER = "__nbddp_copy__"  # the one name a copy is bound under, until unpack binds each
+SHARDED = "a module sharded with fully_shard"
 
 
 _GROUP_TYPES = (
     ("torch.nn.parallel", "DistributedDataParallel", "a DistributedDataParallel wrapper"),
     ("torch.distributed", "ProcessGroup", "a ProcessGroup"),
     ("torch.distributed.fsdp", "FullyShardedDataParallel", "an FSDP wrapper"),
-    ("torch.distributed.fsdp", "FSDPModule", "a module sharded with fully_shard"),
+    ("torch.distributed.fsdp", "FSDPModule", SHARDED),
     ("torch.distributed.device_mesh", "DeviceMesh", "a DeviceMesh"),
     ("torch.distributed.tensor", "DTensor", "a DTensor"),
 )
@@ -69,6 +74,13 @@ def bound_to_group(obj: object, types: dict[type, str] | None = None) -> str | N
 
 
 def _refusal(name: str, obj: object, what: str, inside: bool) -> str:
+    if what == SHARDED and not inside:  # FSDP2: one model, a shard on each rank
+        return (
+            f"cannot copy {name!r}: it is {what}: each rank holds only its own shard of the "
+            "one model (a copy between live ranks would change nothing, and a dead rank's "
+            "shard died with it); save a checkpoint (torch.distributed.checkpoint) and load "
+            "it on every rank"
+        )
     if inside:
         return f"cannot copy {name!r}: it holds {what}, which is bound to this rank's process group"
     if isinstance(getattr(obj, "module", None), torch.nn.Module):
