@@ -13,8 +13,10 @@ each world size, side by side:
 
 Figures: seconds from the death to the cell's end in the notebook (the group is
 ready, healed or not, when the cell ends), the heal's own seconds (as its note says),
-and, for ``heal``, seconds of the next cell (one DDP training step on every rank),
-whose weights are checked equal on every rank. Results go to
+and seconds of the next cell (one DDP training step on every rank), whose weights
+are checked equal on every rank. For ``replace``, the same heal by hand, in its
+parts: the new rank's ``import torch._dynamo`` (torch imports it to build any DDP
+wrapper: most of a heal's time), then ``Pool.copy(["model", "opt"], 0, [N-2])``. Results go to
 ``benchmarks/results/heal-<ranks>ranks-<cores>cpu.json``.
 """
 
@@ -37,8 +39,8 @@ width = {width}
 model = DDP(torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(6)]))
 opt = torch.optim.Adam(model.parameters(), lr=1e-4)
 """
-STEP = (
-    "loss = model(torch.ones(4, width) * (rank + 1)).pow(2).mean()\nloss.backward()\n"
+STEP = (  # (a healed rank has model and opt, not width: the step names the size itself)
+    "loss = model(torch.ones(4, {width}) * (rank + 1)).pow(2).mean()\nloss.backward()\n"
     "opt.step()\nopt.zero_grad()\n"
 )
 DIE = (
@@ -57,7 +59,8 @@ def _width(mb: float) -> int:
 def one(n: int, heal: bool, mb: float) -> dict:
     width = _width(mb)
     with Pool(n, grace=2.0, heal=["model", "opt"] if heal else None) as pool:
-        pool.execute(MODEL.format(width=width) + STEP)
+        step = STEP.format(width=width)
+        pool.execute(MODEL.format(width=width) + step)
         size = pool.execute("sum(p.numel() * 4 for p in model.parameters()) / 2**20")[0]
         bad = n - 2
         died, end = None, None
@@ -77,11 +80,13 @@ def one(n: int, heal: bool, mb: float) -> dict:
             "notes": list(end.notes),
         }
         t0 = time.monotonic()
-        if heal:
-            weights = pool.execute(STEP + "[p.detach().sum().item() for p in model.parameters()]")
-            assert len({tuple(w) for w in weights}) == 1, "the ranks' weights differ"
-        else:
-            pool.execute("import torch.distributed as dist\ndist.all_reduce(torch.ones(1))")
+        if not heal:  # the same heal by hand, in its parts: torch._dynamo, then the copy
+            pool.execute("import torch._dynamo", ranks=[bad])
+            row["dynamo_import_s"] = round(time.monotonic() - t0, 3)
+            row["copy_s"] = round(pool.copy(["model", "opt"], 0, [bad]).seconds, 3)
+            t0 = time.monotonic()
+        weights = pool.execute(step + "[p.detach().sum().item() for p in model.parameters()]")
+        assert len({tuple(w) for w in weights}) == 1, "the ranks' weights differ"
         row["next_cell_s"] = round(time.monotonic() - t0, 3)
         return row
 
@@ -98,8 +103,9 @@ def main() -> None:
             rows.append(row)
             print(
                 f"{n} ranks  {row['mode']:8} model {row['model_mb']:.0f} MB  death -> ready "
-                f"{row['death_to_ready_s']:.2f} s  heal {row['heal_s']}  next cell "
-                f"{row['next_cell_s']:.2f} s",
+                f"{row['death_to_ready_s']:.2f} s  heal {row['heal_s']}  by hand: dynamo "
+                f"{row.get('dynamo_import_s')} s, copy {row.get('copy_s')} s  next cell "
+                f"(a DDP step) {row['next_cell_s']:.2f} s",
                 flush=True,
             )
     cores = os.cpu_count()

@@ -56,7 +56,9 @@ def heal(pool, new: list[int]) -> Healed | None:
     names = [n for n in names if n in has]
     if not names:
         return Healed(tuple(missing), src, 0.0, f"rank {src} has none of them")
+    # the copy's cells would take the notes and the output that wait for the next cell
     notes, pool.notes = pool.notes, []
+    backlog, pool.roster.backlog = pool.roster.backlog, []
     t0 = time.monotonic()
     try:
         done = pool.copy(names, src, new)
@@ -65,4 +67,5 @@ def heal(pool, new: list[int]) -> Healed | None:
         return Healed(tuple(names), src, time.monotonic() - t0, error)
     finally:
         pool.notes = notes + pool.notes
+        pool.roster.backlog = backlog + pool.roster.backlog
     return Healed(done.names, src, time.monotonic() - t0, "", done.rewrapped, tuple(missing))
