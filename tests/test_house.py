@@ -17,7 +17,7 @@ CORE = {
     "queries", "layout", "logs", "drive", "sigint", "supervisor", "launch", "payload",
     "capture", "protocol", "events", "errors", "stacks", "streams", "sizes", "store",
     "copying", "detached", "detached_client", "detached_wire", "pool_calls", "wire",
-    "handshake", "private", "tls", "markers", "resizing",
+    "handshake", "private", "tls", "markers", "resizing", "healing", "deathnote",
 }  # fmt: skip
 FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",
@@ -27,7 +27,7 @@ FRONT = {
 WORKER = {
     "worker", "worker_control", "worker_group", "worker_shims", "worker_cell",
     "worker_code", "ddp", "debugger", "profiling", "collectives", "rich", "mpl_backend",
-    "worker_copy", "metrics", "loggers", "workspace",
+    "worker_copy", "metrics", "loggers", "workspace", "worker_held", "worker_wrap",
 }  # fmt: skip
 # shared by the notebook, the worker and the relay: the wire, errors as data, stacks, the
 # listener (the relay's is the notebook's), streams, shipped data, the launcher, the

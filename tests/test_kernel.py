@@ -570,3 +570,59 @@ def test_two_kernels_list_refuse_take_over_time_out_and_see_the_supervisor_die(k
                 with contextlib.suppress(NbddpError):
                     detached_client.stop(family.name)
             family.clean()
+
+
+def test_heal_gives_a_replaced_rank_the_model_and_the_training_loop_goes_on(kernel):
+    """``%ddp start --heal model,opt``: rank 1 is SIGKILLed in all_reduce; before the cell
+    ends, a new process took its place and got rank 0's DDP model and optimizer (wrapped
+    again on every rank); the next cell's training step runs on all 3 ranks."""
+    _, kc = kernel
+    execute(kc, "%load_ext nbddp")
+    assert execute(kc, "%ddp start -n 3 --heal model,opt").error is None
+    step = (
+        "loss = model(torch.ones(2, 4) * (rank + 1)).sum()\nloss.backward()\nopt.step()\n"
+        "opt.zero_grad()\n"
+    )
+    r = execute(
+        kc,
+        "%%ddp --text\nimport torch.distributed as dist\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\ntorch.manual_seed(0)\n"
+        "model = DDP(torch.nn.Linear(4, 2))\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        + step,
+    )
+    assert r.error is None, r.text
+    pids = pool_pids(kc)[:3]
+    killed: list[float] = []
+
+    def kill_rank_1_when_all_ready(reply):
+        if ready_ranks(reply.stdout) == {0, 1, 2} and not killed:
+            time.sleep(0.3)  # ranks 0 and 2 are in all_reduce by now
+            os.kill(pids[1], signal.SIGKILL)
+            killed.append(time.monotonic())
+
+    r = execute(
+        kc,
+        "%%ddp --text\nimport time\nt = torch.ones(1)\nprint('ready', flush=True)\n"
+        "if rank == 1:\n    time.sleep(60)\ndist.all_reduce(t)",
+        on_output=kill_rank_1_when_all_ready,
+        timeout=120,
+    )
+    assert killed, r.text
+    lines = r.error["evalue"].splitlines()
+    assert lines[0] == "rank 1 died (killed by SIGKILL)", lines
+    assert any(
+        re.fullmatch(
+            r"rank 1: model, opt healed from rank 0 in [\d.]+ s; model wrapped again in DDP "
+            "on every rank",
+            line,
+        )
+        for line in lines
+    ), lines
+    r = execute(
+        kc,
+        "%%ddp --text --out w\n" + step + "[round(p.sum().item(), 6) for p in model.parameters()]",
+        timeout=120,
+    )
+    assert r.error is None, r.text
+    r = execute(kc, "print(len({tuple(x) for x in w}), type(w[1]).__name__)")
+    assert r.stdout.strip() == "1 list", r.text  # every rank took the same DDP step

@@ -291,6 +291,8 @@ class Cell:
             r.state = "idle"
             if names is not None:
                 r.names, r.modules = names, modules
+            if msg.held is not None:
+                r.held = msg.held
         out.done.update(dict.fromkeys(ranks, msg))
         now = time.monotonic()
         if any(out.marks[rank] for rank in ranks):  # direct: finished by its end markers

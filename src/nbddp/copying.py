@@ -8,9 +8,11 @@ device. With a workspace (``%ddp start/attach --workspace DIR``, a folder every
 host mounts) the big tensors go to a new folder there instead, which ranks on any
 host read, and the source removes it once they have. So a new rank that took a dead
 one's place is healed from a survivor:
-``pool.copy(["model", "opt"], 0, [2])``. An object bound to the process group
-(a DDP or FSDP wrapper, a DeviceMesh) is refused in one line that says what to
-copy instead.
+``pool.copy(["model", "opt"], 0, [2])``. A DDP wrapper travels as the module it
+wraps and its options, and then every rank wraps again together (DDP's constructor
+is a collective: :mod:`nbddp.worker_wrap`); an optimizer copied with its model stays
+linked to the copied parameters. Other objects bound to the process group (an FSDP
+wrapper, a DeviceMesh) are refused in one line that says what to copy instead.
 """
 
 from __future__ import annotations
@@ -38,13 +40,11 @@ class Copied:
     nbytes: int
     seconds: float
     via: str  # "through shared memory", "through the workspace DIR", or "in the message"
+    rewrapped: tuple[str, ...] = ()  # DDP wrappers made again on every rank
 
 
-def copy(pool, names: list[str], src: int, dst: list[int] | None = None) -> Copied:
-    """Bind ``names`` from rank ``src``'s namespace in every rank of ``dst`` (all others by
-    default). CaptureError (one line) for a name the source lacks or cannot send."""
-    t0 = time.monotonic()
-    names = list(dict.fromkeys(names))
+def _targets(pool, names: list[str], src: int, dst: list[int] | None) -> list[int]:
+    """The ranks to copy to; CaptureError (one line) for what cannot be."""
     bad = [n for n in names if not n.isidentifier()]
     if not names or bad:
         raise CaptureError(f"not a name: {bad[0]!r}" if bad else "name the objects to copy")
@@ -57,22 +57,55 @@ def copy(pool, names: list[str], src: int, dst: list[int] | None = None) -> Copi
         raise CaptureError(f"rank {src} is the source: copy to the others")
     if not targets:
         raise CaptureError("no rank to copy to")
-    workspace = pool.workspace
+    return targets
+
+
+def _packed(pool, names: list[str], src: int) -> tuple:
+    """What the source packed: (pickle, files, bytes, DDP options by name)."""
     code = f"__import__('nbddp.worker_copy', fromlist=['pack']).pack(globals(), {names!r}"
-    end = drive(pool, pool.run(f"{code}, workspace={workspace!r})", ranks=[src], want_values=True))
+    run = pool.run(f"{code}, workspace={pool.workspace!r})", ranks=[src], want_values=True)
+    end = drive(pool, run)
     failures = failures_of(end, pool.hosts)
     if failures:  # the source refused (one line), or died
         first = failures[0]
         raise CaptureError(
             f"rank {src}: {first.message}" if isinstance(first, RankFailed) else first.summary
         )
-    data, files, nbytes = end.values[src]
-    ours = [] if workspace else list(owned_files(files, pool.shm_folder))
+    if src not in end.values:  # interrupted (or nothing came back): nothing was copied
+        what = "interrupted" if end.interrupted else "given nothing back"
+        raise CaptureError(
+            f"the copy was {what} while rank {src} packed {', '.join(names)}: nothing was copied"
+        )
+    return end.values[src]
+
+
+def _bind(pool, data: bytes, files, src: int, targets: list[int], wrapped: dict) -> None:
+    """Each target binds what came; with DDP wrappers, every rank then wraps again."""
+    ours = [] if pool.workspace else list(owned_files(files, pool.shm_folder))
     shipment = payload.Shipment(data, ours)
+    unpack = "__import__('nbddp.worker_copy', fromlist=['unpack']).unpack(globals())"
     try:
-        raise_for_end(drive(pool, pool.run("", ranks=targets, needs=shipment)), pool.hosts)
+        raise_for_end(drive(pool, pool.run(unpack, ranks=targets, needs=shipment)), pool.hosts)
     finally:
         shipment.remove()
+    if wrapped:
+        call = f"rewrap(globals(), {wrapped!r}, {src})"
+        rewrap = f"__import__('nbddp.worker_wrap', fromlist=['rewrap']).{call}"
+        raise_for_end(drive(pool, pool.run(rewrap)), pool.hosts)
+
+
+def copy(pool, names: list[str], src: int, dst: list[int] | None = None) -> Copied:
+    """Bind ``names`` from rank ``src``'s namespace in every rank of ``dst`` (all others by
+    default). CaptureError (one line) for a name the source lacks or cannot send, or a
+    copy interrupted while the source packs."""
+    t0 = time.monotonic()
+    names = list(dict.fromkeys(names))
+    targets = _targets(pool, names, src, dst)
+    workspace = pool.workspace
+    data, files, nbytes, wrapped = _packed(pool, names, src)
+    try:
+        _bind(pool, data, files, src, targets, wrapped)
+    finally:
         if workspace and files:  # the source removes its folder (the notebook may not see it)
             folder = os.path.dirname(files[0])
             remove = f"__import__('nbddp.worker_copy', fromlist=['remove']).remove({folder!r})"
@@ -80,4 +113,5 @@ def copy(pool, names: list[str], src: int, dst: list[int] | None = None) -> Copi
                 drive(pool, pool.run(remove, ranks=[src]))
     via = f"through the workspace {workspace}" if workspace else "through shared memory"
     via = via if files else "in the message"
-    return Copied(tuple(names), src, tuple(targets), nbytes, time.monotonic() - t0, via)
+    took = time.monotonic() - t0
+    return Copied(tuple(names), src, tuple(targets), nbytes, took, via, tuple(sorted(wrapped)))

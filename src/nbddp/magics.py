@@ -152,6 +152,11 @@ class DDPMagics(PoolCommands, Magics):
             f"copied {', '.join(done.names)} from rank {done.src} to "
             f"{stacks.rank_set(list(done.dst))} ({human(done.nbytes)} {done.via}, "
             f"{done.seconds:.2f} s)"
+            + (
+                f"; {', '.join(done.rewrapped)} wrapped again in DDP on every rank"
+                if done.rewrapped
+                else ""
+            )
         )
 
     def _run(self, rest: str) -> None:

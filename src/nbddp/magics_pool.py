@@ -19,6 +19,19 @@ from .session import default_world_size, say, what_it_held
 __all__ = ["PoolCommands"]
 
 
+def _heal(text: str | None, on_death: str) -> list[str] | None:
+    """``--heal model,opt``: the names, checked before any pool is touched."""
+    if not text:
+        return None
+    names = capture.split_names(text)
+    bad = [n for n in names if not n.isidentifier()]
+    if bad:
+        raise UsageError(f"--heal: not a name: {bad[0]!r}")
+    if on_death != "replace":
+        raise UsageError("--heal needs --on-death replace: a pool that restarts heals no rank")
+    return names
+
+
 class PoolCommands:
     """``%ddp start|attach|status|stacks|restart|stop|connect|list|disconnect|interrupt``."""
 
@@ -36,6 +49,7 @@ class PoolCommands:
         tee = capture.parse_ranks(args.tee) if args.tee else None
         log_dir = os.path.abspath(os.path.expanduser(args.log_dir)) if args.log_dir else None
         workspace = attaching.workspace(args.workspace, make=True)
+        heal = _heal(args.heal, args.on_death)  # (checked before the pool is let go)
         options = dict(
             backend=args.backend,
             start_method=args.start_method,
@@ -51,6 +65,7 @@ class PoolCommands:
             debug=args.debug or None,
             threads=args.threads,
             on_death=args.on_death,
+            heal=heal,
         )
         if args.detached:
             self._start_detached(args, options)

@@ -155,6 +155,12 @@ def ddp_cell(line, cell):
     "(replace), or the whole pool restarts (restart)",
 )
 @argument(
+    "--heal",
+    metavar="NAMES",
+    help="names a rank that took a dead one's place gets from a survivor before the next "
+    "cell ('model,opt'; DDP wrappers wrapped again)",
+)
+@argument(
     "--threads",
     type=_threads,
     help="intra-op threads per rank: N, or auto (cores / ranks); default as torchrun (1)",

@@ -29,6 +29,7 @@ from . import capture, copying, payload, queries, recovery, resizing
 from . import protocol as P
 from .cell import Cell, Requests, make_runs
 from .errors import NbddpError
+from .healing import check_heal
 from .hub import Hub
 from .layout import check_pool
 from .listener import Listener, bind_tcp, bind_unix
@@ -83,6 +84,7 @@ class Pool(PoolCalls):
         debug: bool = False,
         threads: str | int | None = None,
         on_death: str = "replace",
+        heal: list[str] | str | None = None,
     ) -> None:
         check_pool(
             n,
@@ -114,6 +116,7 @@ class Pool(PoolCalls):
         self.threads = None if threads is None else str(threads)  # N or "auto" per rank
         self.extra_env = dict(env or {})
         self.on_death = on_death  # "replace": a dead rank gets a new process; "restart": all
+        self.heal = check_heal(heal, on_death)  # names a new rank gets from a survivor
         # attached pools: ranks started elsewhere (torchrun) connect over TCP with ``token``
         self.listen_on, self.token, self.tls = listen, token or b"", tls  # tls: Tls
         # new -> starting -> ready (cells run) -> lost (a death: the next cell starts anew)

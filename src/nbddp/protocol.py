@@ -65,6 +65,7 @@ __all__ = [
     "Done",
     "ErrorInfo",
     "Fatal",
+    "Held",
     "Hello",
     "Interrupt",
     "JoinGroup",
@@ -91,7 +92,7 @@ __all__ = [
     *events.__all__,
 ]
 
-PROTOCOL_VERSION = 7  # 6: Metrics; 7: Reform carries the world size (a resize)
+PROTOCOL_VERSION = 7  # 6: Metrics; 7: Reform carries the world size, Held, Run.versions
 
 
 # ---------------------------------------------------------------- data
@@ -116,6 +117,17 @@ class Profile:
     wall: float  # seconds the cell took on the rank
     collectives: float  # seconds inside torch.distributed collectives, waiting included
     top: tuple[tuple[str, int, float], ...]  # (operation, calls, seconds), most first
+
+
+@dataclass(frozen=True)
+class Held:
+    """One global name of a rank, as the notes on its death list it: what it is and how big
+    (measured without pickling: see nbddp.worker_held)."""
+
+    name: str
+    kind: str  # "module" | "optimizer" | "tensor" | "array" | "object" | ... | "import"
+    nbytes: int  # a tensor's, array's, module's or optimizer's bytes; else its own size
+    shipped: bool = False  # still bound to what the notebook sent (--need, automatic capture)
 
 
 # ---------------------------------------------------------------- worker -> notebook
@@ -161,6 +173,7 @@ class Ready:
     names: tuple[str, ...] = ()  # the rank's global names
     generation: int = 0  # the re-form of the group it joined (0: the first group)
     modules: tuple[str, ...] = ()  # which of ``names`` are modules
+    held: tuple[Held, ...] = ()  # every global name, the notebook's included
 
 
 @dataclass(frozen=True)
@@ -189,6 +202,7 @@ class Done:
     files: tuple[str, ...] = ()  # shared-memory files ``value`` refers to (the notebook removes)
     names: tuple[str, ...] | None = None  # the rank's global names, when they changed
     modules: tuple[str, ...] | None = None  # which of them are modules
+    held: tuple[Held, ...] | None = None  # every global name, when any changed (Held)
     freed: bool = False  # the group was aborted under this rank during the cell
     needs_group: bool = False  # the cell destroyed the default group: re-form it
     profile: Profile | None = None  # with Run.profile
@@ -336,14 +350,14 @@ class Shutdown:
 
 # ---------------------------------------------------------------- encoding
 
-# every message class above (ErrorInfo, Profile and Script are parts of messages)
+# every message class above (ErrorInfo, Profile, Held and Script are parts of messages)
 _MESSAGES = tuple(
     obj
     for obj in list(globals().values())
     if isinstance(obj, type)
     and obj.__module__ == __name__
     and dataclasses.is_dataclass(obj)
-    and obj not in (ErrorInfo, Profile, Script)
+    and obj not in (ErrorInfo, Profile, Held, Script)
 )
 
 

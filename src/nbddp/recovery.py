@@ -23,8 +23,10 @@ import signal
 import time
 from dataclasses import dataclass
 
+from . import healing
 from . import protocol as P
 from . import stacks as S
+from .deathnote import replaced_note
 from .errors import PoolClosedError, PoolStartError, RankDied
 from .hub import Gone
 from .processes import rank_env
@@ -43,7 +45,6 @@ __all__ = [
 REFORM_TIMEOUT = 60.0  # seconds the ranks have to join the re-formed group
 CRASH_LOOP = 3  # deaths of one rank within CRASH_WINDOW s: it is not replaced again
 CRASH_WINDOW = 60.0
-NAMES_SAID = 12  # the names a dead rank held, said in full up to this many
 STALE = "objects bound to the old group (DDP models, device meshes, subgroups) must be rebuilt"
 
 
@@ -55,8 +56,7 @@ class CrashLoop(PoolStartError):
 class _Dead:
     """What a replaced rank's first process held, and how its last process ended."""
 
-    names: frozenset[str]
-    modules: frozenset[str]  # which of the names were modules
+    held: tuple[P.Held, ...]  # its names, kinds and sizes, as of its last finished cell
     code: int | None
 
 
@@ -81,7 +81,9 @@ def reform(pool, sup, out, quiet: bool = False):
     if had is None:
         return
     if had:  # ranks died while the group formed: a new process took each one's place
-        pool.notes += _replaced_notes(pool, had, time.monotonic() - t0)
+        took, fresh = time.monotonic() - t0, _fresh(pool, had)
+        healed = healing.heal(pool, sorted(had))  # --heal: before the next cell
+        pool.notes += _replaced_notes(pool, had, took, fresh, healed)
         yield from _replaced_events(had)
         return
     if quiet:
@@ -112,7 +114,9 @@ def replace(pool, dead: list[int]):
     t0 = time.monotonic()
     had = yield from _formed_again(pool, dead)
     if had is not None:
-        pool.notes += _replaced_notes(pool, had, time.monotonic() - t0)
+        took, fresh = time.monotonic() - t0, _fresh(pool, had)
+        healed = healing.heal(pool, sorted(had))  # --heal: before the next cell
+        pool.notes += _replaced_notes(pool, had, took, fresh, healed)
         yield from _replaced_events(had)
 
 
@@ -121,26 +125,14 @@ def _replaced_events(had: dict):
         yield P.RankState(rank, "replaced")
 
 
-def _said(names: list[str]) -> str:
-    return ", ".join(names[:NAMES_SAID]) + (
-        f" and {len(names) - NAMES_SAID} more" if len(names) > NAMES_SAID else ""
-    )
+def _fresh(pool, had: dict) -> dict[int, frozenset[str]]:
+    """The names each new process started with (not lost with the dead one)."""
+    table = pool.roster.ranks
+    return {r: frozenset(h.name for h in table[r].held) | table[r].names for r in had}
 
 
-def _replaced_notes(pool, had: dict, took: float) -> list[str]:
-    notes = []
-    for rank, dead in sorted(had.items()):
-        gone = dead.names - pool.roster[rank].names
-        objects, imported = sorted(gone - dead.modules), sorted(gone & dead.modules)
-        notes.append(
-            f"rank {rank}: a new process took its place; "
-            + (
-                f"it had {_said(objects)} (gone)"
-                if objects
-                else "it had nothing of its own (as of its last finished cell)"
-            )
-            + (f" and had imported {_said(imported)}" if imported else "")
-        )
+def _replaced_notes(pool, had: dict, took: float, fresh: dict, healed) -> list[str]:
+    notes = [line for r in sorted(had) for line in replaced_note(r, had[r].held, fresh[r], healed)]
     new = S.rank_set(sorted(had)).replace("rank", "new rank", 1)
     if len(had) < pool.world_size:
         notes.append(
@@ -204,7 +196,7 @@ def _form_again(pool, dead: list[int], timeout: float, new: tuple[int, ...] = ()
                 if again:
                     pool.notes.append(f"{RankDied(rank, code).summary} as the group re-formed")
                 _count_death(roster, rank)
-                had.setdefault(rank, _Dead(r.names, r.modules, code)).code = code
+                had.setdefault(rank, _Dead(r.held, code)).code = code
             restart = sorted(set(pending) | fresh)  # new ones have no state: start them again
             if restart:
                 _end_processes(pool, [roster[rank] for rank in restart])

@@ -44,6 +44,7 @@ class Rank:
     returncode: int | None = None
     names: frozenset[str] = frozenset()  # the rank's global names, as last reported
     modules: frozenset[str] = frozenset()  # which of them are modules
+    held: tuple[P.Held, ...] = ()  # every global name with its kind and size (P.Held)
 
     def send(self, msg: object) -> bool:
         return self.send_bytes(P.dumps(msg))
@@ -276,6 +277,8 @@ class Roster:
         r.state, r.backend, r.device = "idle", msg.backend, msg.device
         if msg.names:
             r.names, r.modules = frozenset(msg.names), frozenset(msg.modules)
+        if msg.held:
+            r.held = msg.held
 
     def _failed_reform(self, r: Rank, msg: P.ReformFailed) -> None:
         if msg.generation == self.reforms and self._reform_failed is None:

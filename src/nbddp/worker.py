@@ -154,7 +154,8 @@ class Worker:
     def _ready(self, generation: int) -> None:
         named = self.cells.changed_names()
         names, modules = named["names"] or (), named["modules"] or ()
-        self.send(P.Ready(self.group.backend, self.group.device, names, generation, modules))
+        held = self.cells.reported_held or ()  # (changed_names just set it)
+        self.send(P.Ready(self.group.backend, self.group.device, names, generation, modules, held))
 
     def _hello(self) -> None:
         self.send(

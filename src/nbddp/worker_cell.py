@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from . import metrics, payload, profiling, rich
+from . import metrics, payload, profiling, rich, worker_held
 from . import protocol as P
 from . import stacks as S
 from .ddp import DDPContext
@@ -98,6 +98,7 @@ class CellRunner:
         self.main_ident = threading.get_ident()
         self.ship_dir: str | None = None  # where big values go back to the notebook
         self._reported_names: frozenset[str] = frozenset()
+        self.reported_held: tuple[P.Held, ...] | None = None
         self.shipped: dict[str, object] = {}  # name -> the object the notebook sent
         self.versions: dict[str, int] = {}  # name -> the notebook's version of that object
         self.failed: types.TracebackType | None = None  # where the last failed cell raised
@@ -243,20 +244,22 @@ class CellRunner:
         pdb.post_mortem(tb)
 
     def changed_names(self) -> dict:
-        """``names`` and ``modules`` for a Done or Ready: the rank's own names (not those
-        still bound to notebook objects) and which of them are modules, if they changed
-        (else None: the notebook's record stands)."""
+        """``names``, ``modules`` and ``held`` for a Done or Ready, each None when it did not
+        change (the notebook's record stands): the rank's own names (not those still bound
+        to notebook objects), which of them are modules, and every name with its kind and
+        size, the notebook's included (what a death loses, :mod:`nbddp.worker_held`)."""
         for name in [n for n in self.shipped if not self._from_notebook(n)]:
             del self.shipped[name]  # the rank rebound it: it is the rank's own now
             self.versions.pop(name, None)
-        names = frozenset(
-            k for k in self.namespace if not k.startswith("__") and k not in self.shipped
-        )
+        held = worker_held.held(self.namespace, self.shipped)
+        changed = {"held": None if held == self.reported_held else held}
+        self.reported_held = held
+        names = frozenset(h.name for h in held if not h.shipped)
         if names == self._reported_names and names:
-            return {"names": None, "modules": None}
+            return {"names": None, "modules": None, **changed}
         self._reported_names = names
-        modules = [k for k in names if isinstance(self.namespace[k], types.ModuleType)]
-        return {"names": tuple(sorted(names)), "modules": tuple(sorted(modules))}
+        modules = [h.name for h in held if h.kind == "import" and not h.shipped]
+        return {"names": tuple(sorted(names)), "modules": tuple(modules), **changed}
 
     def _show(self, value: object) -> None:
         """Like IPython's inline backend: a rich last value, then open figures, are shown."""
