@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 from . import payload
+from .carriers import twin
 from .drive import drive
 from .errors import CaptureError, RankFailed
 from .outcome import failures_of, owned_files, raise_for_end
@@ -38,6 +39,7 @@ class Copied:
     nbytes: int
     seconds: float
     via: str  # "through shared memory", "through the workspace DIR", or "in the message"
+    notes: tuple[str, ...] = ()  # the pool's notes its two steps took (said once)
 
 
 def copy(pool, names: list[str], src: int, dst: list[int] | None = None) -> Copied:
@@ -69,8 +71,11 @@ def copy(pool, names: list[str], src: int, dst: list[int] | None = None) -> Copi
     data, files, nbytes = end.values[src]
     ours = [] if workspace else list(owned_files(files, pool.shm_folder))
     shipment = payload.Shipment(data, ours)
+    notes = end.notes
     try:
-        raise_for_end(drive(pool, pool.run("", ranks=targets, needs=shipment)), pool.hosts)
+        bound = drive(pool, pool.run("", ranks=targets, needs=shipment))
+        notes += bound.notes
+        raise_for_end(bound, pool.hosts)
     finally:
         shipment.remove()
         if workspace and files:  # the source removes its folder (the notebook may not see it)
@@ -78,6 +83,18 @@ def copy(pool, names: list[str], src: int, dst: list[int] | None = None) -> Copi
             remove = f"__import__('nbddp.worker_copy', fromlist=['remove']).remove({folder!r})"
             with contextlib.suppress(Exception):  # (the source died: the copy's error says)
                 drive(pool, pool.run(remove, ranks=[src]))
-    via = f"through the workspace {workspace}" if workspace else "through shared memory"
-    via = via if files else "in the message"
-    return Copied(tuple(names), src, tuple(targets), nbytes, time.monotonic() - t0, via)
+    took = time.monotonic() - t0
+    return Copied(tuple(names), src, tuple(targets), nbytes, took, _via(pool, files), notes)
+
+
+def _via(pool, files) -> str:
+    """How the big tensors went: a workspace, shared memory, a private folder on disk
+    (shared memory had no room), or nowhere but the message."""
+    if not files:
+        return "in the message"
+    if pool.workspace:
+        return f"through the workspace {pool.workspace}"
+    disk = twin(pool.shm_folder or "")
+    if disk and any(os.path.dirname(f) == disk for f in files):
+        return "through a private folder on disk"
+    return "through shared memory"

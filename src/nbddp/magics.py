@@ -151,6 +151,8 @@ class DDPMagics(PoolCommands, Magics):
             f"{stacks.rank_set(list(done.dst))} ({human(done.nbytes)} {done.via}, "
             f"{done.seconds:.2f} s)"
         )
+        for note in done.notes:
+            say(note)
 
     def _run(self, rest: str) -> None:
         args = parse_argstring(ddp_run, rest)
