@@ -135,6 +135,32 @@ def replaced(c: Child) -> bool:
     return c.ns.pop("_d") == [digest(c.ns.pop("w"))] * N
 
 
+def full(c: Child) -> bool:
+    """/dev/shm full to the last byte (by someone else): --need, a gather of objects
+    (whose pickle cannot be written there either) and --out still arrive."""
+    filler = "/dev/shm/filler"
+    fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        for chunk in (2**20, 4096, 1):  # to the last byte
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\0" * chunk)
+    finally:
+        os.close(fd)
+    try:
+        assert os.statvfs("/dev/shm").f_bavail == 0
+        ok = need(c)
+        c.run(
+            "%%ddp --quiet --out _g\nfrom nbddp import gather_objects\n"
+            "got = gather_objects({'y': y})\n[digest(o['y']) for o in got]"
+        )
+        ok = ok and c.ns.pop("_g")[0] == c.ns["ydig"]
+        c.run("%%ddp --quiet --out _v\ny")
+        return ok and [digest(v) for v in c.ns.pop("_v")] == c.ns["ydig"]
+    finally:
+        os.unlink(filler)
+
+
 def main() -> None:
     c = Child()
     c.run("%load_ext nbddp")
@@ -142,7 +168,7 @@ def main() -> None:
     c.run("%%ddp --quiet\nimport torch\n" + DIGEST)
     for name, body in [
         ("need", need), ("race", race), ("out", out), ("pull", pull), ("gather", gather),
-        ("copy", copy), ("push", push), ("replaced", replaced),
+        ("full", full), ("copy", copy), ("push", push), ("replaced", replaced),
     ]:  # fmt: skip
         c.step(name, body)
     c.run("%ddp stop")

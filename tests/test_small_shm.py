@@ -1,9 +1,9 @@
 """Small shared memory is not an error (issue 35, item 8): under a 64 MB /dev/shm (Docker's
 default, Kubernetes pods), every path that ships a 200 MB value (--need, --out, pull,
 push, copy, gather_tensors, a replaced rank's automatic capture) succeeds with the same
-bytes, through a private folder on disk (also when a write runs out of space midway:
-"race"); the pool says so once, with the figure, and
-leaves nothing in /dev/shm or on disk.
+bytes, through a private folder on disk: also when a write runs out of space midway
+("race"), and when /dev/shm is full to the last byte ("full"). The pool says so once,
+with the figure, and leaves nothing in /dev/shm or on disk.
 
 Each world size runs once, in a child (tests/shm_child.py) inside a mount namespace
 with a 64 MB tmpfs over /dev/shm (``unshare --mount``: root, or a user namespace);
@@ -65,7 +65,7 @@ def report(request, tmp_path_factory):
     return json.loads(proc.stdout.strip().splitlines()[-1]), tmp
 
 
-PATHS = ["need", "race", "out", "pull", "gather", "copy", "push", "replaced"]
+PATHS = ["need", "race", "out", "pull", "gather", "full", "copy", "push", "replaced"]
 
 
 @pytest.mark.parametrize("path", PATHS)
