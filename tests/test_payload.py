@@ -287,3 +287,30 @@ def test_a_folder_outside_shared_memory_is_used_as_it_always_was(directory, monk
     shipment = payload.dumps(torch.randn(1 << 19), directory)
     assert [os.path.dirname(f) for f in shipment.files] == [directory]
     shipment.remove()
+
+
+def test_a_write_that_runs_out_midway_is_undone_and_goes_to_disk(small_shm, monkeypatch):
+    """The check said there was room, another writer took it: ENOSPC inside a gather's
+    folder. The partial file goes; the value is written again in the twin's own folder."""
+    import errno
+    import tempfile
+
+    monkeypatch.setattr(carriers, "room", lambda f, n: True)
+    real, calls = payload._put, []
+
+    def put(fd, view, at):
+        calls.append(at)
+        if len(calls) == 1:
+            real(fd, view[: len(view) // 2], at)  # half of it, then the filesystem is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, view, at)
+
+    monkeypatch.setattr(payload, "_put", put)
+    folder = tempfile.mkdtemp(prefix="gather-", dir=small_shm)
+    big = torch.randn(1 << 19)
+    shipment = payload.dumps(big, folder)
+    assert os.listdir(folder) == []  # the partial file is gone
+    assert [os.path.dirname(f) for f in shipment.files] == [carriers.twin(folder)]
+    assert torch.equal(payload.loads(shipment.data), big)
+    assert carriers.spilled(small_shm) == ["disk"]
+    shipment.remove()

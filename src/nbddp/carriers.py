@@ -200,9 +200,10 @@ class Route:
     def place(self, nbytes: int) -> tuple[str, bool] | None:
         """(the folder for a file of ``nbytes``, whether its receivers read it); None:
         inside the pickle."""
-        for i, (folder, read) in enumerate(self.stops):
-            if not self.checked or (_ready(folder, make=i > 0) and room(folder, nbytes)):
-                if i:
+        for folder, read in self.stops:
+            further = folder != self.first  # (the twin: also once the first gave up)
+            if not self.checked or (_ready(folder, make=further) and room(folder, nbytes)):
+                if further:
                     self._mark("disk")
                 return folder, read
         if self.first is not None:
@@ -222,7 +223,8 @@ class Route:
         if rel.startswith("nbddp-"):
             top = os.path.join(SHM, rel.split(os.sep)[0])
             with contextlib.suppress(OSError):
-                os.close(os.open(os.path.join(top, _MARK + how), os.O_CREAT | os.O_WRONLY, 0o600))
+                flags = os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW
+                os.close(os.open(os.path.join(top, _MARK + how), flags, 0o600))
 
 
 def _in_shm(folder: str | None) -> bool:
@@ -232,8 +234,8 @@ def _in_shm(folder: str | None) -> bool:
 def _ready(folder: str, make: bool) -> bool:
     """``folder`` is there and private; with ``make``, a twin's subfolder (a gather's,
     inside a twin that is there) is made here."""
-    inside = os.path.basename(os.path.dirname(folder)).startswith("nbddp-")  # (not a twin)
-    if make and inside and not os.path.exists(folder):
+    sub = os.path.basename(os.path.dirname(folder)).startswith("nbddp-")  # (a twin's own)
+    if make and sub and not os.path.exists(folder):
         with contextlib.suppress(OSError):
             os.mkdir(folder, 0o700)
     try:
