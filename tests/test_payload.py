@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from nbddp import payload
+from nbddp import carriers, payload
 
 
 @pytest.fixture
@@ -230,7 +230,87 @@ def test_the_lock_of_a_removed_folder_is_let_go():
     os.rmdir(first)
     second = payload.shm_dir()
     try:
-        assert first not in payload._held
-        assert second in payload._held
+        assert first not in carriers._held
+        assert second in carriers._held
     finally:
         os.rmdir(second)
+
+
+@pytest.fixture
+def small_shm(monkeypatch):
+    """A fresh shared-memory folder (and its disk twin) where /dev/shm has no room left."""
+    if not os.path.isdir(carriers.SHM):
+        pytest.skip("no /dev/shm here")
+    real = carriers.room
+    monkeypatch.setattr(
+        carriers, "room", lambda f, n: not f.startswith(carriers.SHM) and real(f, n)
+    )
+    folder = payload.shm_dir()
+    yield folder
+    disk = carriers.twin(folder)
+    payload.remove_locked_dir(folder)
+    assert not os.path.exists(folder)
+    assert not os.path.exists(disk)
+
+
+def test_what_does_not_fit_in_shared_memory_goes_to_its_twin_on_disk_read_not_mapped(small_shm):
+    disk = carriers.twin(small_shm)
+    assert os.path.isdir(disk)
+    assert os.stat(disk).st_mode & 0o777 == 0o700
+    big, arr = torch.randn(1 << 19), np.arange(1 << 18, dtype=np.float64)
+    shipment = payload.dumps({"big": big, "arr": arr, "view": big[10:20]}, small_shm)
+    assert [os.path.dirname(f) for f in shipment.files] == [disk, disk]
+    assert b"_read_storage_file" in shipment.data
+    assert b"_load_storage_file" not in shipment.data
+    assert carriers.spilled(small_shm) == ["disk"]  # for the pool's one note
+    loaded = payload.loads(shipment.data)
+    shipment.remove()
+    assert torch.equal(loaded["big"], big)
+    assert (loaded["arr"] == arr).all()
+    assert loaded["view"].untyped_storage().data_ptr() == loaded["big"].untyped_storage().data_ptr()
+    assert [f for f in os.listdir(small_shm) if not f.startswith(".spilled-")] == []
+    assert os.listdir(disk) == []
+
+
+def test_with_no_room_on_disk_either_big_tensors_go_inside_the_pickle(small_shm, monkeypatch):
+    monkeypatch.setattr(carriers, "room", lambda f, n: False)
+    big = torch.randn(1 << 19)
+    shipment = payload.dumps(big, small_shm)
+    assert shipment.files == []
+    assert len(shipment.data) > big.nbytes
+    assert torch.equal(payload.loads(shipment.data), big)
+    assert carriers.spilled(small_shm) == ["message"]
+
+
+def test_a_folder_outside_shared_memory_is_used_as_it_always_was(directory, monkeypatch):
+    monkeypatch.setattr(carriers, "room", lambda f, n: False)  # (never asked)
+    shipment = payload.dumps(torch.randn(1 << 19), directory)
+    assert [os.path.dirname(f) for f in shipment.files] == [directory]
+    shipment.remove()
+
+
+def test_a_write_that_runs_out_midway_is_undone_and_goes_to_disk(small_shm, monkeypatch):
+    """The check said there was room, another writer took it: ENOSPC inside a gather's
+    folder. The partial file goes; the value is written again in the twin's own folder."""
+    import errno
+    import tempfile
+
+    monkeypatch.setattr(carriers, "room", lambda f, n: True)
+    real, calls = payload._put, []
+
+    def put(fd, view, at):
+        calls.append(at)
+        if len(calls) == 1:
+            real(fd, view[: len(view) // 2], at)  # half of it, then the filesystem is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, view, at)
+
+    monkeypatch.setattr(payload, "_put", put)
+    folder = tempfile.mkdtemp(prefix="gather-", dir=small_shm)
+    big = torch.randn(1 << 19)
+    shipment = payload.dumps(big, folder)
+    assert os.listdir(folder) == []  # the partial file is gone
+    assert [os.path.dirname(f) for f in shipment.files] == [carriers.twin(folder)]
+    assert torch.equal(payload.loads(shipment.data), big)
+    assert carriers.spilled(small_shm) == ["disk"]
+    shipment.remove()

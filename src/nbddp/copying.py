@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from . import payload
+from .carriers import twin
 from .drive import drive
 from .errors import CaptureError, RankFailed
 from .outcome import failures_of, owned_files, raise_for_end
@@ -41,6 +42,7 @@ class Copied:
     seconds: float
     via: str  # "through shared memory", "through the workspace DIR", or "in the message"
     rewrapped: tuple[str, ...] = ()  # DDP wrappers made again on every rank
+    notes: tuple[str, ...] = ()  # the pool's notes its steps took (said once)
 
 
 def _targets(pool, names: list[str], src: int, dst: list[int] | None) -> list[int]:
@@ -61,7 +63,8 @@ def _targets(pool, names: list[str], src: int, dst: list[int] | None) -> list[in
 
 
 def _packed(pool, names: list[str], src: int) -> tuple:
-    """What the source packed: (pickle, files, bytes, DDP options by name)."""
+    """What the source packed: (pickle, files, bytes, DDP options by name), and the
+    pool's notes that came with it."""
     code = f"__import__('nbddp.worker_copy', fromlist=['pack']).pack(globals(), {names!r}"
     run = pool.run(f"{code}, workspace={pool.workspace!r})", ranks=[src], want_values=True)
     end = drive(pool, run)
@@ -76,22 +79,28 @@ def _packed(pool, names: list[str], src: int) -> tuple:
         raise CaptureError(
             f"the copy was {what} while rank {src} packed {', '.join(names)}: nothing was copied"
         )
-    return end.values[src]
+    return end.values[src], end.notes
 
 
-def _bind(pool, data: bytes, files, src: int, targets: list[int], wrapped: dict) -> None:
-    """Each target binds what came; with DDP wrappers, every rank then wraps again."""
+def _bind(pool, data: bytes, files, src: int, targets: list[int], wrapped: dict) -> tuple:
+    """Each target binds what came; with DDP wrappers, every rank then wraps again. The
+    pool's notes that came meanwhile."""
     ours = [] if pool.workspace else list(owned_files(files, pool.shm_folder))
     shipment = payload.Shipment(data, ours)
     unpack = "__import__('nbddp.worker_copy', fromlist=['unpack']).unpack(globals())"
     try:
-        raise_for_end(drive(pool, pool.run(unpack, ranks=targets, needs=shipment)), pool.hosts)
+        bound = drive(pool, pool.run(unpack, ranks=targets, needs=shipment))
+        raise_for_end(bound, pool.hosts)
     finally:
         shipment.remove()
+    notes = bound.notes
     if wrapped:
         call = f"rewrap(globals(), {wrapped!r}, {src})"
         rewrap = f"__import__('nbddp.worker_wrap', fromlist=['rewrap']).{call}"
-        raise_for_end(drive(pool, pool.run(rewrap)), pool.hosts)
+        again = drive(pool, pool.run(rewrap))
+        raise_for_end(again, pool.hosts)
+        notes += again.notes
+    return notes
 
 
 def copy(pool, names: list[str], src: int, dst: list[int] | None = None) -> Copied:
@@ -102,16 +111,30 @@ def copy(pool, names: list[str], src: int, dst: list[int] | None = None) -> Copi
     names = list(dict.fromkeys(names))
     targets = _targets(pool, names, src, dst)
     workspace = pool.workspace
-    data, files, nbytes, wrapped = _packed(pool, names, src)
+    (data, files, nbytes, wrapped), notes = _packed(pool, names, src)
     try:
-        _bind(pool, data, files, src, targets, wrapped)
+        notes += _bind(pool, data, files, src, targets, wrapped)
     finally:
         if workspace and files:  # the source removes its folder (the notebook may not see it)
             folder = os.path.dirname(files[0])
             remove = f"__import__('nbddp.worker_copy', fromlist=['remove']).remove({folder!r})"
             with contextlib.suppress(Exception):  # (the source died: the copy's error says)
                 drive(pool, pool.run(remove, ranks=[src]))
-    via = f"through the workspace {workspace}" if workspace else "through shared memory"
-    via = via if files else "in the message"
     took = time.monotonic() - t0
-    return Copied(tuple(names), src, tuple(targets), nbytes, took, via, tuple(sorted(wrapped)))
+    rewrapped = tuple(sorted(wrapped))
+    return Copied(
+        tuple(names), src, tuple(targets), nbytes, took, _via(pool, files), rewrapped, notes
+    )
+
+
+def _via(pool, files) -> str:
+    """How the big tensors went: a workspace, shared memory, a private folder on disk
+    (shared memory had no room), or nowhere but the message."""
+    if not files:
+        return "in the message"
+    if pool.workspace:
+        return f"through the workspace {pool.workspace}"
+    disk = twin(pool.shm_folder or "")
+    if disk and any(os.path.dirname(f) == disk for f in files):
+        return "through a private folder on disk"
+    return "through shared memory"

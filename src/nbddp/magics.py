@@ -158,6 +158,8 @@ class DDPMagics(PoolCommands, Magics):
                 else ""
             )
         )
+        for note in done.notes:
+            say(note)
 
     def _run(self, rest: str) -> None:
         args = parse_argstring(ddp_run, rest)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from . import payload
 from . import protocol as P
+from .carriers import twin
 from .errors import CellFailed, CellInterrupted, RankDied, RankFailed
 from .supervisor import CellSupervisor
 
@@ -39,12 +40,14 @@ def load_value(rank: int, data: bytes, files) -> tuple[object, P.ErrorInfo | Non
 
 
 def owned_files(files, folder: str | None) -> tuple[str, ...]:
-    """The files a rank named that lie in the pool's own folder: the notebook removes
-    those once loaded, and never a path elsewhere, whatever a rank's Done says."""
+    """The files a rank named that lie in the pool's own folder (or its twin on disk,
+    where what did not fit in shared memory goes): the notebook removes those once
+    loaded, and never a path elsewhere, whatever a rank's Done says."""
     if not folder:
         return ()
+    ours = {folder, twin(folder)}
     return tuple(
-        f for f in files if isinstance(f, str) and os.path.dirname(os.path.abspath(f)) == folder
+        f for f in files if isinstance(f, str) and os.path.dirname(os.path.abspath(f)) in ours
     )
 
 

@@ -15,22 +15,26 @@ never mapped).
 
 CUDA tensors travel the same way and land on the receiver's own device.
 Whoever calls ``dumps`` removes the files once every receiver has loaded.
+
+Where ``/dev/shm`` is small or full (Docker's default 64 MB), a file that does not fit
+goes to a private folder on disk instead, read by its receivers rather than mapped, or
+into the pickle: :mod:`nbddp.carriers` says where, and makes and removes the folders.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import os
 import pickle
 import secrets
-import shutil
-import tempfile
 
 import cloudpickle
 import torch
 
-from .private import UnsafeFile, checked_folder, hold, remove_if_unheld
+from . import carriers
+from .carriers import locked_dir, private_dir, remove_locked_dir, shm_dir
 
 __all__ = [
     "SHM_MIN_BYTES",
@@ -46,94 +50,6 @@ __all__ = [
 
 SHM_MIN_BYTES = 1 << 20
 _counter = itertools.count()
-
-
-def shm_dir() -> str:
-    """A fresh private (0700) directory on tmpfs (or in the temp dir without /dev/shm).
-
-    This process holds a lock on it (``flock`` on the directory) for as long as
-    it lives, so the directories of processes that died without cleaning up are
-    removed here, by the next one, and no live one's ever is, even where
-    ``/dev/shm`` is shared with other PID namespaces (containers with
-    ``--ipc=host``), whose pids mean nothing here. Its name carries this
-    process's pid, for people reading ``ls``.
-    """
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return locked_dir(base or tempfile.gettempdir())
-
-
-def locked_dir(base: str) -> str:
-    """A fresh private (0700) ``base/nbddp-PID-L...`` folder, locked while this process
-    lives; the folders of processes that died (a SIGKILLed kernel's) are removed first."""
-    _release_removed()
-    _sweep(base)
-    # made and locked under a name the sweep never touches, then renamed: no one ever
-    # sees it unlocked under its own name
-    staging = tempfile.mkdtemp(prefix=".nbddp-new-", dir=base)
-    fd = hold(staging)  # (just made: no one else holds it)
-    try:
-        path = os.path.join(base, f"nbddp-{os.getpid()}-{_LOCKED}{secrets.token_hex(8)}")
-        os.rename(staging, path)
-    except BaseException:
-        os.close(fd)
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    _held[path] = fd
-    return path
-
-
-_LOCKED = "L"  # starts the last part of a locked folder's name (mkdtemp's names are lowercase)
-_held: dict[str, int] = {}  # the folders this process made: their open, locked descriptors
-
-
-def remove_locked_dir(path: str) -> None:
-    """Remove a folder :func:`locked_dir` made here, and let its lock go with it."""
-    shutil.rmtree(path, ignore_errors=True)
-    fd = _held.pop(path, None)
-    if fd is not None:
-        os.close(fd)
-
-
-def _release_removed() -> None:
-    """Close the locks of folders made here and since removed (by whoever removed them)."""
-    for path, fd in list(_held.items()):
-        if os.fstat(fd).st_nlink == 0:
-            os.close(fd)
-            del _held[path]
-
-
-def private_dir(path: str) -> str:
-    """``path`` if it is a directory only this user can enter, else a one-line error:
-    nothing is written into a folder someone else made or can read."""
-    try:
-        return checked_folder(path)
-    except FileNotFoundError:
-        raise RuntimeError(f"nbddp's shared-memory folder {path} is gone") from None
-    except UnsafeFile as exc:
-        raise RuntimeError(str(exc)) from None
-
-
-def _sweep(base: str) -> None:
-    """Remove the ``nbddp-PID-*`` directories no live process holds.
-
-    A folder made by :func:`shm_dir` is removed when its lock can be taken;
-    one of the older, unlocked kind (made by an earlier nbddp) when no process
-    has its pid here.
-    """
-    for name in os.listdir(base):
-        parts = name.split("-", 2)
-        if len(parts) < 3 or parts[0] != "nbddp" or not parts[1].isdigit():
-            continue
-        path = os.path.join(base, name)
-        if parts[2].startswith(_LOCKED):
-            remove_if_unheld(path)
-            continue
-        try:
-            os.kill(int(parts[1]), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:
-            pass  # someone else's, and alive
 
 
 class Shipment:
@@ -155,14 +71,30 @@ class Shipment:
 
 def _write(path: str, tensor: torch.Tensor) -> None:
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-    view = memoryview(raw)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    with _space(path):
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        try:
+            _put(fd, memoryview(raw), 0)
+        finally:
+            os.close(fd)
+
+
+def _put(fd: int, view: memoryview, at: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done : done + (1 << 30)], at + done)
+
+
+@contextlib.contextmanager
+def _space(path: str):
+    """Around a write to ``path``: a full filesystem is :class:`carriers.NoSpace` (the
+    value is written again one carrier further; its files, this one too, are removed)."""
     try:
-        done = 0
-        while done < len(view):
-            done += os.write(fd, view[done : done + (1 << 30)])
-    finally:
-        os.close(fd)
+        yield
+    except OSError as exc:
+        if carriers.full(exc):
+            raise carriers.NoSpace(os.path.dirname(path)) from exc
+        raise
 
 
 def _load_storage_file(path: str, nbytes: int, to_device: bool) -> torch.UntypedStorage:
@@ -228,11 +160,12 @@ class _Storage:
         self.storage, self.device, self.path, self.read = storage, device, path, read
         self.written: list[tuple[int, int]] = []
         if path is not None:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-            try:
-                os.ftruncate(fd, storage.nbytes())
-            finally:
-                os.close(fd)
+            with _space(path):
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+                try:
+                    os.ftruncate(fd, storage.nbytes())
+                finally:
+                    os.close(fd)
 
     def _bytes(self, start: int, stop: int):
         raw = torch.empty(0, dtype=torch.uint8, device=self.device)
@@ -250,13 +183,12 @@ class _Storage:
         if any(a <= start and stop <= b for a, b in self.written):
             return
         view = self._bytes(start, stop)
-        fd = os.open(self.path, os.O_WRONLY)
-        try:
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done : done + (1 << 30)], start + done)
-        finally:
-            os.close(fd)
+        with _space(self.path):
+            fd = os.open(self.path, os.O_WRONLY)
+            try:
+                _put(fd, view, start)
+            finally:
+                os.close(fd)
         self.written.append((start, stop))
 
     def reduce(self):
@@ -295,22 +227,26 @@ class _Pickler(cloudpickle.CloudPickler):
     def __init__(
         self,
         file,
-        directory: str | None = None,
+        route: carriers.Route | None = None,
         min_bytes: int = SHM_MIN_BYTES,
         refuse=None,
-        read: bool = False,
     ) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.directory, self.read = directory, read
+        self.route = route
         self.min_bytes = min_bytes
         self.refuse = refuse
         self.files: list[str] = []
         self.storages: dict[tuple, _Storage] = {}  # by device and address
 
-    def _path(self) -> str:
-        path = os.path.join(self.directory, f"{secrets.token_hex(8)}-{next(_counter)}")
+    def _path(self, nbytes: int) -> tuple[str | None, bool]:
+        """(a new file's path for ``nbytes``, whether its receivers read it): where the
+        route has room; (None, False): inside the pickle."""
+        place = self.route.place(nbytes) if self.route is not None else None
+        if place is None:
+            return None, False
+        path = os.path.join(place[0], f"{secrets.token_hex(8)}-{next(_counter)}")
         self.files.append(path)
-        return path
+        return path, place[1]
 
     def reducer_override(self, obj):
         if isinstance(obj, io.IOBase) and not isinstance(obj, io.BytesIO | io.StringIO):
@@ -325,12 +261,13 @@ class _Pickler(cloudpickle.CloudPickler):
             raise Refused(what)
         if isinstance(obj, torch.Tensor) and self._fits(obj):
             return self._reduce_tensor(obj)
-        if self.directory is not None:
+        if self.route is not None:
             np = _numpy()
             if np is not None and type(obj) is np.ndarray and self._fits_array(obj):
-                path = self._path()
-                _write(path, torch.from_numpy(np.ascontiguousarray(obj)).reshape(-1))
-                return _load_array, (path, obj.dtype.str, obj.shape, self.read)
+                path, read = self._path(obj.nbytes)
+                if path is not None:
+                    _write(path, torch.from_numpy(np.ascontiguousarray(obj)).reshape(-1))
+                    return _load_array, (path, obj.dtype.str, obj.shape, read)
         return super().reducer_override(obj)
 
     def _fits(self, t: torch.Tensor) -> bool:
@@ -352,9 +289,9 @@ class _Pickler(cloudpickle.CloudPickler):
         key = (t.device, storage.data_ptr(), storage.nbytes())
         holder = self.storages.get(key)
         if holder is None:
-            big = self.directory is not None and storage.nbytes() >= max(self.min_bytes, 1)
-            path = self._path() if big else None
-            holder = self.storages[key] = _Storage(storage, t.device, path, self.read)
+            big = self.route is not None and storage.nbytes() >= max(self.min_bytes, 1)
+            path, read = self._path(storage.nbytes()) if big else (None, False)
+            holder = self.storages[key] = _Storage(storage, t.device, path, read)
         if holder.path is not None:
             holder.cover(t)
         args = (
@@ -386,15 +323,26 @@ def dumps(
     """Pickle ``obj``; with ``directory``, big tensors go to files there, which the
     receiver maps (or with ``read``, reads into memory: a folder other hosts share, whose
     files their writer may remove once it is loaded). ``refuse(o)``, if given, says what
-    an object that must not go is (then :class:`Refused`)."""
-    buf = io.BytesIO()
-    pickler = _Pickler(buf, directory, min_bytes, refuse, read)
-    try:
-        pickler.dump(obj)
-    except BaseException:
-        Shipment(b"", pickler.files).remove()
-        raise
-    return Shipment(buf.getvalue(), pickler.files)
+    an object that must not go is (then :class:`Refused`).
+
+    A ``directory`` in ``/dev/shm`` that is full or too small passes files on to its
+    twin on disk, else into the pickle (:class:`carriers.Route`): nothing is lost, and
+    nothing is left in it."""
+    route = carriers.Route(directory, read) if directory is not None else None
+    while True:
+        buf = io.BytesIO()
+        pickler = _Pickler(buf, route, min_bytes, refuse)
+        try:
+            pickler.dump(obj)
+        except carriers.NoSpace as exc:  # another writer took the room first: further on
+            Shipment(b"", pickler.files).remove()
+            if route is None or not route.give_up(exc.folder):
+                raise exc.__cause__ from None
+            continue
+        except BaseException:
+            Shipment(b"", pickler.files).remove()
+            raise
+        return Shipment(buf.getvalue(), pickler.files)
 
 
 def loads(data: bytes) -> object:

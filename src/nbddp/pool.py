@@ -309,7 +309,8 @@ class Pool(PoolCalls):
 
     def take_notes(self) -> list[str]:
         """Notes, connections closed for a bad frame, and refusals for the next cell, once."""
-        notes, self.notes, self.hub.closed = self.notes + self.hub.closed, [], []
+        notes = self.notes + self.hub.closed + self.procs.spill_notes()
+        self.notes, self.hub.closed = [], []
         return notes + (self.listener.refusals(take=True) if self.listener else [])
 
     def send(self, ranks, msg: object) -> None:

@@ -19,8 +19,9 @@ import sys
 import tempfile
 import time
 
-from . import payload
+from . import carriers, payload
 from .launch import Launcher, make_launcher
+from .sizes import human
 
 __all__ = ["RankProcesses"]
 
@@ -35,12 +36,30 @@ class RankProcesses:
         self.dir: str | None = None  # private (0700): the socket, the ranks' start logs
         self.shm: str | None = None  # the pool's private shared-memory folder
         self.store: tuple[int, int] | None = None  # the group's store: (pid, port)
+        self.spill_said = False  # the note that values went past shared memory, said once
 
     def make_folders(self) -> None:
         if self.dir is None:
+            self.spill_said = False
             # mode 0700, removed by the next nbddp process if this one is SIGKILLed
             self.dir = payload.locked_dir(tempfile.gettempdir())
             self.shm = payload.shm_dir()  # where ranks write big values for the notebook
+
+    def spill_notes(self) -> list[str]:
+        """Once per pool, when a value first went past the pool's shared-memory folder
+        (too small or full): how big /dev/shm is here, and where such values go."""
+        how = [] if self.spill_said or self.shm is None else carriers.spilled(self.shm)
+        if not how:
+            return []
+        self.spill_said = True
+        st = os.statvfs(self.shm)
+        total, free = human(st.f_blocks * st.f_frsize), human(st.f_bavail * st.f_frsize)
+        disk = f"through a private folder on disk ({carriers.twin(self.shm)}), read, not mapped"
+        ways = [disk if "disk" in how else "", "inside the messages" if "message" in how else ""]
+        return [
+            f"{carriers.SHM} holds {total} here ({free} free): values that do not fit in it "
+            f"go {', or when that is full, '.join(w for w in ways if w)}"
+        ]
 
     def start(self, rank: int, address: str, env: dict[str, str]) -> int:
         """Start ``rank``'s process, connecting to ``address``; its pid."""

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import payload
+from .carriers import full, twin
 from .private import (
     UnsafeFile,
     is_private_folder,
@@ -111,25 +112,49 @@ def new_folder(path: str | os.PathLike, prefix: str) -> str:
 def write_bundle(obj: object, folder: str, shared: bool = False) -> int:
     """``obj`` in ``folder`` (new, private): its pickle, and each big tensor as a file
     beside it, written once, which the reader maps (``shared``, a folder of a workspace:
-    reads into memory, as NFS may not keep a removed file's pages). Its size in bytes."""
+    reads into memory, as NFS may not keep a removed file's pages). Its size in bytes.
+    What does not fit in a shared-memory folder goes to its twin on disk (the pickle
+    too: :mod:`nbddp.carriers`)."""
     shipment = payload.dumps(obj, folder, read=shared)
-    fd = os.open(os.path.join(folder, _PICKLE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(shipment.data)
+    try:
+        _write_pickle(folder, shipment.data)
+    except OSError as exc:
+        disk = twin(folder)
+        if not (full(exc) and disk and os.path.isdir(disk)):
+            shipment.remove()
+            raise
+        _write_pickle(disk, shipment.data)
     return shipment.nbytes
 
 
+def _write_pickle(folder: str, data: bytes) -> None:
+    path = os.path.join(folder, _PICKLE)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+
+
 def read_bundle(folder: str) -> object:
-    """The object :func:`write_bundle` left in ``folder``, if that is a private folder of
-    this user (its tensors mapped from their files, private to this process)."""
+    """The object :func:`write_bundle` left in ``folder`` (or its twin on disk), if that
+    is a private folder of this user (its tensors mapped from their files, private to
+    this process)."""
     if not is_private_folder(os.lstat(folder)):
         raise UnsafeFile(f"refusing to read {folder}: not a private folder of this user")
-    with open_private(os.path.join(folder, _PICKLE), "bundle file") as f:
+    path, disk = os.path.join(folder, _PICKLE), twin(folder)
+    if not os.path.exists(path) and disk and is_private_folder(os.lstat(disk)):
+        path = os.path.join(disk, _PICKLE)
+    with open_private(path, "bundle file") as f:
         return payload.loads(f.read())
 
 
 def remove_bundle(folder: str) -> None:
-    """Remove a bundle's folder (if it is a private folder of this user)."""
-    with contextlib.suppress(OSError):
-        if is_private_folder(os.lstat(folder)):
-            shutil.rmtree(folder, ignore_errors=True)
+    """Remove a bundle's folder and its twin on disk (if private folders of this user)."""
+    for path in (folder, twin(folder)):
+        with contextlib.suppress(OSError, TypeError):
+            if is_private_folder(os.lstat(path)):
+                shutil.rmtree(path, ignore_errors=True)
