@@ -308,8 +308,17 @@ def test_close_stops_accepting_and_leaves_no_thread(started, path):
     lis = started(name="t-closing")
     (accepting,) = [t for t in threading.enumerate() if t.name == "t-closing-accept"]
     assert lis.open
+    silent = socket.socket(socket.AF_UNIX)
+    silent.connect(path)
+    silent.recv(1)  # in its handshake
+    fds = open_fds()
     lis.close()
     assert not lis.open
+    assert not lis.running  # once close returned: its thread ended
+    assert lis.pending == 0
+    assert _closed(silent)  # the handshake in flight was dropped
+    assert open_fds() <= fds - 4  # its socket, the listening one, the selector, the wake pipe
+    silent.close()
     accepting.join(WAIT)  # it sees the close within its 0.5 s select cycle
     assert not accepting.is_alive()
     with pytest.raises(ConnectionRefusedError):
@@ -433,3 +442,34 @@ def test_real_ranks_attach_past_a_crowd_and_a_cell_runs(tmp_path, monkeypatch, r
         pool.stop()
         end_all(procs)
         log.close()
+
+
+def test_tls_peers_stuck_in_their_handshake_do_not_delay_a_good_one(started, monkeypatch):
+    """With --tls, peers that stop inside TLS's own handshake (a ClientHello cut short, or
+    none) wait in the same selector: a good TLS peer is heard while they wait."""
+    from nbddp.tls import make_server_tls, pinned_client_tls
+
+    monkeypatch.setattr(L, "HANDSHAKE_TIMEOUT", 3600)
+    server, pin = make_server_tls()
+    lis = started(L.bind_tcp("127.0.0.1", 0), tls=server)
+    address = ("127.0.0.1", lis.sock.getsockname()[1])
+    stuck = []
+    for i in range(40):
+        s = socket.create_connection(address, timeout=WAIT)
+        s.recv(len(HS.MAGIC) + 1 + HS.NONCE)  # the greeting, in the clear: TLS is next
+        if i % 2:
+            s.sendall(b"\x16\x03\x01\x02\x00\x01")  # a TLS record's header, then nothing
+        stuck.append(s)
+    try:
+        c = HS.connect(address, "AF_INET", TOKEN, timeout=WAIT, tls=pinned_client_tls(pin))
+        c.send_bytes(P.dumps(hello(1)))
+        conn, got, _ = lis.peers.get(timeout=WAIT)
+        assert got == hello(1)
+        assert conn.mode == "tls"
+        assert lis.pending == 40
+        assert lis.refusals() == []
+        conn.close()
+        c.close()
+    finally:
+        for s in stuck:
+            s.close()
