@@ -15,6 +15,10 @@ file that pins a certificate must be "tls"), so a changed mode byte can only
 make the handshake fail, never downgrade it. What follows are frames
 (:mod:`nbddp.wire`), with keys derived from the token and both nonces.
 ``multiprocessing.connection``'s challenge (HMAC-MD5 on Python 3.11) is not used.
+
+The server's side is :class:`ServerHandshake`, steps that never block: the
+listener (:mod:`nbddp.listener`) runs every pending handshake from one selector,
+and :func:`server_handshake` runs one, waiting between steps.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ __all__ = [
     "HANDSHAKE_TIMEOUT",
     "HandshakeError",
     "Refused",
+    "ServerHandshake",
     "client_handshake",
     "connect",
     "server_handshake",
@@ -65,30 +70,126 @@ def server_handshake(
     """Authenticate the peer that connected on ``sock``; the whole handshake takes at most
     ``timeout`` seconds, however the peer paces its bytes. Raises HandshakeError."""
     deadline = time.monotonic() + timeout
-    mode = b"p" if sock.family == socket.AF_UNIX else b"t" if tls else b"m"
-    nonce_s = secrets.token_bytes(NONCE)
-    sock.setblocking(False)
-    _send_all(sock, MAGIC + mode + nonce_s, deadline)
-    if tls:  # (the TLS socket takes the socket over: it is the one to close on failure)
-        sock = tls.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-        try:
-            return _server_proof(_wrap(sock, deadline), token, mode, nonce_s, deadline)
-        except BaseException:
-            sock.close()
-            raise
-    return _server_proof(sock, token, mode, nonce_s, deadline)
+    hs = ServerHandshake(sock, token, tls)
+    try:
+        while wants := hs.step():
+            _wait(hs.sock, deadline, read=wants == READ)
+        assert hs.channel is not None
+        return hs.channel
+    except BaseException:
+        if hs.sock is not sock:  # the TLS socket took the socket over: the one to close
+            hs.sock.close()
+        raise
 
 
-def _server_proof(sock, token: bytes, mode: bytes, nonce_s: bytes, deadline: float) -> Channel:
-    answer = _recv_exact(sock, NONCE + TAG, deadline)
-    nonce_c, proof = answer[:NONCE], answer[NONCE:]
-    transcript = MAGIC + mode + nonce_s + nonce_c
-    if not hmac.compare_digest(proof, _mac(token, b"client", transcript)):
-        with contextlib.suppress(OSError, HandshakeError):
-            _send_all(sock, REFUSED, deadline)
-        raise HandshakeError("it did not prove it holds the token (a wrong token?)")
-    _send_all(sock, OK + _mac(token, b"server", transcript), deadline)
-    return Channel(sock, MODES[mode], _keys(token, transcript, server=True))
+READ, WRITE = 1, 2  # what a step waits for (selectors.EVENT_READ, EVENT_WRITE)
+
+
+class ServerHandshake:
+    """The listening side's handshake, one step at a time, never blocking: the listener
+    drives hundreds of them from one selector (:meth:`step` when the socket is ready),
+    so a peer that is silent or slow holds nothing but its own socket. :attr:`sock` is
+    the socket to wait on (once TLS wrapped it, the TLS socket)."""
+
+    def __init__(self, sock: socket.socket, token: bytes, tls: Tls | None = None) -> None:
+        self.sock, self.token, self.tls = sock, token, tls
+        self.mode = b"p" if sock.family == socket.AF_UNIX else b"t" if tls else b"m"
+        self.nonce_s = secrets.token_bytes(NONCE)
+        self.channel: Channel | None = None  # once both sides proved the token
+        self._out = memoryview(MAGIC + self.mode + self.nonce_s)
+        self._in = bytearray()
+        self._stage = "greet"
+        sock.setblocking(False)
+
+    def step(self) -> int:
+        """Go on as far as the socket allows without waiting: READ or WRITE (what it waits
+        for), or 0 once done (:attr:`channel`). HandshakeError if the peer failed it."""
+        while self.channel is None:
+            wants = self._flush() or self._next()
+            if wants:
+                return wants
+        return 0
+
+    def _next(self) -> int:
+        """The stage after what was sent: 0 when there is more to do at once."""
+        if self._stage == "greet":
+            self._stage = "tls" if self.tls else "answer"
+            if self.tls:
+                self.sock = self.tls.context.wrap_socket(
+                    self.sock, server_side=True, do_handshake_on_connect=False
+                )
+        elif self._stage == "tls":
+            wants = _tls_step(self.sock)
+            if wants:
+                return wants
+            self._stage = "answer"
+        elif self._stage == "answer":
+            return self._answer()
+        else:  # our proof went out: done
+            keys = _keys(self.token, self._transcript(), server=True)
+            self.channel = Channel(self.sock, MODES[self.mode], keys)
+        return 0
+
+    def _answer(self) -> int:
+        """Read the peer's nonce and proof; check it, then say OK with ours (or REFUSED)."""
+        need = NONCE + TAG - len(self._in)
+        if need:
+            got = _recv_some(self.sock, need)
+            if got is None:
+                return READ
+            self._in += got
+            return 0
+        transcript = self._transcript()
+        proof = bytes(self._in[NONCE:])
+        if not hmac.compare_digest(proof, _mac(self.token, b"client", transcript)):
+            with contextlib.suppress(OSError, ssl.SSLError):
+                self.sock.send(REFUSED)  # (best effort: a refused peer is not waited for)
+            raise HandshakeError("it did not prove it holds the token (a wrong token?)")
+        self._out = memoryview(OK + _mac(self.token, b"server", transcript))
+        self._stage = "ok"
+        return 0
+
+    def _transcript(self) -> bytes:
+        return MAGIC + self.mode + self.nonce_s + bytes(self._in[:NONCE])
+
+    def _flush(self) -> int:
+        """Send what is due: 0 once all of it went, else what the socket waits for."""
+        while self._out:
+            try:
+                self._out = self._out[self.sock.send(self._out) :]
+            except (BlockingIOError, ssl.SSLWantWriteError):
+                return WRITE
+            except ssl.SSLWantReadError:
+                return READ
+            except ssl.SSLError as exc:
+                raise HandshakeError(f"TLS: {exc.reason or exc}") from None
+        return 0
+
+
+def _tls_step(sock: ssl.SSLSocket) -> int:
+    """One go at TLS's own handshake: 0 once done, else what it waits for."""
+    try:
+        sock.do_handshake()
+        return 0
+    except ssl.SSLWantReadError:
+        return READ
+    except ssl.SSLWantWriteError:
+        return WRITE
+    except ssl.SSLError as exc:
+        raise HandshakeError(f"TLS: {exc.reason or exc}") from None
+
+
+def _recv_some(sock: socket.socket, n: int) -> bytes | None:
+    """Up to ``n`` bytes that came (None: none yet); HandshakeError at the connection's end."""
+    try:
+        got = sock.recv(n)
+    except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+        return None
+    except ssl.SSLError as exc:
+        raise HandshakeError(f"TLS: {exc.reason or exc}") from None
+    if not got:
+        raise HandshakeError("it closed the connection during the handshake")
+    return got
 
 
 def client_handshake(
@@ -159,16 +260,10 @@ def _keys(token: bytes, transcript: bytes, server: bool) -> tuple[bytes, bytes]:
 
 
 def _wrap(sock: ssl.SSLSocket, deadline: float) -> ssl.SSLSocket:
-    while True:
-        try:
-            sock.do_handshake()
-            return sock
-        except ssl.SSLWantReadError:
-            _wait(sock, deadline, read=True)
-        except ssl.SSLWantWriteError:
-            _wait(sock, deadline, read=False)
-        except ssl.SSLError as exc:
-            raise HandshakeError(f"TLS: {exc.reason or exc}") from None
+    """TLS's own handshake, waiting as it must until ``deadline``."""
+    while wants := _tls_step(sock):
+        _wait(sock, deadline, read=wants == READ)
+    return sock
 
 
 def _wait(sock: socket.socket, deadline: float | None, read: bool) -> None:

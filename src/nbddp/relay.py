@@ -71,7 +71,6 @@ START_TIMEOUT = 120.0  # a relay no rank came to ends after this many seconds
 # ranks ending together reach the notebook in one frame (the last one is never held)
 LINGER = 0.002
 POLL = 0.0002  # meanwhile, how often to look
-RELAY_THREADS = 4  # handshakes of the host's ranks in flight at once
 
 
 def wanted(tcp: bool, env) -> bool:
@@ -248,12 +247,10 @@ class Relay:
     # -- the loop: ranks -> notebook
 
     def serve(self, timeout: float) -> None:
-        # its peers are this host's ranks, on a Unix socket in a 0700 folder: heard by a
-        # few threads, so that one slow peer does not hold up the others (a thread per
-        # handshake made 1,024 ranks through 128 relays attach 0.3 s slower)
-        accepting = Listener(
-            self.listener, self.token, self._accepted_peer, name="relay", threads=RELAY_THREADS
-        )
+        # its peers are this host's ranks, on a Unix socket in a 0700 folder: heard as the
+        # notebook hears its own, every handshake from one selector, so that one slow peer
+        # does not hold up the others
+        accepting = Listener(self.listener, self.token, self._accepted_peer, name="relay")
         accepting.start()
         threading.Thread(target=self._down_loop, name="relay-down", daemon=True).start()
         deadline = time.monotonic() + timeout

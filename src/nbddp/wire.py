@@ -83,6 +83,7 @@ class Channel:
         if mode == "mac":
             self._out_mac, self._in_mac = (_hmac_sha256(k) for k in keys)
         self._sent = self._read = 0  # sequence numbers
+        self._partial = bytearray()  # what came of a frame read by recv_ready
         self._send_lock = threading.Lock()
         self._tls_lock = threading.Lock() if mode == "tls" else None
         self.closed = False
@@ -207,6 +208,61 @@ class Channel:
                 data = both
         self._read += 1
         return bytes(data) if length <= 1 << 20 and type(data) is not bytes else data
+
+    def recv_ready(self, limit: int) -> bytes | None:
+        """The next frame's payload once all of it came, read without ever waiting: None
+        while it has not (call again when the socket is readable; what came is kept).
+
+        For the listener, which reads each new peer's first message among many peers in
+        one thread. The checks of :meth:`recv_bytes`, in its order: a frame over ``limit``
+        (at most SMALL) is refused on its header, a bad MAC or number once it is whole.
+        """
+        assert limit <= SMALL, "a first message is small: read whole, then checked"
+        buf = self._partial
+        while need := self._needs(buf, limit):
+            try:
+                if self._tls_lock is None:
+                    got = self.sock.recv(need, socket.MSG_DONTWAIT)
+                else:
+                    with self._tls_lock:
+                        got = self.sock.recv(need)
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return None
+            if not got:
+                if buf:
+                    raise self._fail("the connection ended in the middle of a frame")
+                raise EOFError
+            buf += got
+        self._partial = bytearray()
+        seq, length = HEADER.unpack_from(buf)
+        payload = bytes(buf[HEADER.size : HEADER.size + length])
+        if self._in_mac is not None:
+            tag = self._in_mac.copy()
+            tag.update(buf[: HEADER.size + length])
+            if not hmac.compare_digest(tag.digest(), bytes(buf[HEADER.size + length :])):
+                raise self._fail("a frame failed its MAC check (changed or injected on the way)")
+            self._check(seq, length, limit)
+        self._read += 1
+        return payload
+
+    def _needs(self, buf: bytearray, limit: int) -> int:
+        """How many more bytes the frame that begins with ``buf`` needs before its check."""
+        if len(buf) < HEADER.size:
+            return HEADER.size - len(buf)
+        seq, length = HEADER.unpack_from(buf)
+        if self._in_mac is None:  # no MAC: the header is checked as it is
+            self._check(seq, length, limit)
+        elif length > SMALL:  # the header's own MAC, then the limit (never held: > SMALL)
+            if len(buf) < HEADER.size + HEADER_TAG:
+                return HEADER.size + HEADER_TAG - len(buf)
+            tag = self._in_mac.copy()
+            tag.update(buf[: HEADER.size])
+            if not hmac.compare_digest(tag.digest()[:HEADER_TAG], bytes(buf[HEADER.size :])):
+                raise self._fail("a frame failed its MAC check (changed or injected on the way)")
+            self._check(seq, length, limit)
+        else:  # read whole (at most SMALL unchecked), then checked
+            return HEADER.size + length + TAG - len(buf)
+        return HEADER.size + length - len(buf)
 
     def _check(self, seq: int, length: int, limit: int) -> None:
         """The frame is the next one, and not over the limit (its header authenticated)."""
