@@ -8,8 +8,8 @@ notebook's imports live in the front end) at 2, 3, 4 and 8 ranks.
 from __future__ import annotations
 
 import os
-import select
 import signal
+import time
 
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
@@ -48,12 +48,14 @@ def cell(shell, run, text: str):
 
 
 def kill(pool, rank: int) -> None:
-    """SIGKILL ``rank`` between cells; return once the pool can see it (its connections
-    read end of file), as the next cell will."""
-    pid, conns = pool.pids[rank], pool.roster[rank].link.connections()
+    """SIGKILL ``rank`` between cells; return once the pool can see it (its launcher
+    reaped it), as the next cell will."""
+    pid = pool.pids[rank]
     os.kill(pid, signal.SIGKILL)
     assert wait_gone([pid]) == []
-    assert select.select(conns, [], [], 10)[0]
+    deadline = time.monotonic() + 10
+    while not pool.procs.exited({rank: pid}) and time.monotonic() < deadline:
+        time.sleep(0.01)  # (its launcher reaps it: the next cell sees it)
 
 
 @pytest.mark.timeout(180)
@@ -77,6 +79,12 @@ def test_a_replacement_keeps_what_survivors_changed_in_place(sized, run):
         if r != dead:
             assert after[r] == before[r], r
             assert pool.pids[r] == pids[r]
+    note = next(x for x in said.splitlines() if x.startswith(f"nbddp: rank {dead} had "))
+    assert note.endswith(
+        "from the notebook, as it had changed them (gone): a cell that reads "
+        "them gets the notebook's again, `%ddp copy` a survivor's"
+    ), note
+    assert set(note.split(" had ")[1].split(" from ")[0].split(", ")) == {"w", "net"}, note
 
 
 @pytest.mark.timeout(120)

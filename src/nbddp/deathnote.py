@@ -89,7 +89,7 @@ def replaced_note(rank: int, dead_held, fresh: frozenset[str], healed: Healed | 
     if sent:
         them = "them" if len(sent) > 1 else "it"
         lines.append(
-            f"rank {rank} had {_said(sent)} from the notebook: --need or automatic capture "
-            f"sends {them} again"
+            f"rank {rank} had {_said(sent)} from the notebook, as it had changed {them} (gone): "
+            f"a cell that reads {them} gets the notebook's again, `%ddp copy` a survivor's"
         )
     return lines

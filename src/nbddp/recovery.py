@@ -299,6 +299,18 @@ def stop_pool(pool, sup, out, action):
     pool.state = "lost"
 
 
+def _between_cells(pool, rounds: int = 64) -> list:
+    """What came between cells, read until nothing more is there (a rank's last message
+    and its end of file may take two reads), ``rounds`` reads at most."""
+    items: list = []
+    for _ in range(rounds if pool.roster.ranks else 0):
+        more = pool.hub.pump(0)
+        if not more:
+            break
+        items += more
+    return items
+
+
 def ready_for_a_cell(pool) -> None:
     """Start the pool anew if it lost its state (said in a note); refuse a stopped pool,
     or an attached one that lost a rank (torchrun started those ranks, not us)."""
@@ -308,9 +320,11 @@ def ready_for_a_cell(pool) -> None:
         raise PoolClosedError(
             "the attached pool lost a rank: start torchrun again and attach again"
         )
-    items = pool.hub.pump(0) if pool.roster.ranks else []  # what came between cells
+    items = _between_cells(pool)
     pool.roster.keep_output(items)
-    gone = sorted({i.rank for i in items if type(i) is Gone})
+    # (a local rank's exit as its launcher saw it, too: its last message may be read,
+    # its end of file not yet)
+    gone = sorted({i.rank for i in items if type(i) is Gone} | set(pool.hub.exits()))
     if gone and can_replace(pool) and not pool.needs_restart:
         for rank in gone:
             r = pool.roster[rank]
