@@ -6,8 +6,9 @@ the tensors of its state, a tensor or an array its bytes (a sharded DTensor its
 own shard); anything else its own ``sys.getsizeof``, plus the tensors one level
 inside a list, tuple or dict. A module is measured once (a 100-layer model took
 1.4 ms, every cell), an optimizer again when its state gains or loses parameters:
-a size that changed otherwise (a module cast to another dtype) is said as it was. The notebook sorts by these (modules, optimizers,
-then the largest tensors first) so that what matters is named first.
+a size that changed otherwise (a module cast to another dtype) is said as it was.
+The notebook sorts by these (modules, optimizers, then the largest tensors first) so
+that what matters is named first.
 """
 
 from __future__ import annotations
