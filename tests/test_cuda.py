@@ -103,3 +103,47 @@ def test_gathers_of_cuda_tensors_land_on_the_first_listed_ranks_gpu(gpu_pool, tm
     values = gpu_pool.execute(code)
     assert values[1] == [[("cuda:1", 1.0, 1.0), ("cuda:1", 0.0, 0.0)]] * 4
     assert values[0] == [[]] * 4
+
+
+@pytest.mark.timeout(180)
+def test_more_ranks_than_gpus_is_refused_and_the_running_pool_keeps_its_state():
+    """Issue 35 on a one-GPU machine: `%%ddp -n G+1` (and `%ddp start --backend nccl -n
+    G+1`) are refused in one line before the running pool is touched: the same process,
+    the same CUDA tensor, the same optimizer state. A same-options start is a no-op."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from helpers import namespace_digests
+    from nbddp.session import SESSION
+
+    g = torch.cuda.device_count()
+    sh = InteractiveShell.instance()
+    sh.run_cell("%load_ext nbddp")
+    try:
+        assert sh.run_cell("import torch\nw = torch.zeros(4)").success
+        cell = (
+            f"%%ddp -n {g} --quiet\nw = w.to(device) + rank + 1\n"
+            "model = torch.nn.Linear(4, 2).to(device)\n"
+            "opt = torch.optim.Adam(model.parameters())\n"
+            "model(w).sum().backward()\nopt.step()"
+        )
+        assert sh.run_cell(cell).success
+        pool = SESSION.pool
+        pids, before = list(pool.pids), namespace_digests(pool)
+        assert pool.execute("str(w.device)") == [f"cuda:{r}" for r in range(g)]
+        for refused in (
+            f"%%ddp -n {g + 1} --quiet\nw",
+            f"%ddp start -n {g + 1} --backend nccl",
+            f"%ddp start -n {g + 1}",
+        ):
+            result = sh.run_cell(refused)
+            assert not result.success, refused
+            assert "GPU" in str(result.error_in_exec), result.error_in_exec
+            assert "\n" not in str(result.error_in_exec), result.error_in_exec
+            assert SESSION.pool is pool
+            assert pool.pids == pids
+            assert namespace_digests(pool) == before
+        assert sh.run_cell(f"%ddp start -n {g}").success  # the same options: nothing changes
+        assert pool.pids == pids
+    finally:
+        sh.run_cell("%ddp stop")
+        sh.run_cell("%unload_ext nbddp")

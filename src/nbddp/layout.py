@@ -51,6 +51,8 @@ def check_pool(
     check_options(n, start_method, backend, listen, token, threads, on_death)
     check_layout(n, device, gpus, groups, mesh)
     check_backend(n, backend, device, gpus)
+    if listen is None:
+        check_gpus_per_rank(n, device, gpus)
     check_times(pg_timeout=pg_timeout, start_timeout=start_timeout, grace=grace)
     if abort_after is None or abort_after < 0:
         raise ValueError(f"abort_after: seconds >= 0, not {abort_after!r}")
@@ -128,6 +130,22 @@ def check_backend(n: int, backend: str | None, device: str | None, gpus) -> None
         raise ValueError(
             f"--backend nccl needs a GPU per rank: {n} ranks, {have} GPU{'s' * (have != 1)} "
             f"here; use -n {have}, or --backend gloo"
+        )
+
+
+def check_gpus_per_rank(n: int, device: str | None, gpus) -> None:
+    """Ranks on this host on CUDA (``--device gpu``, or the default where CUDA is visible)
+    each take ``cuda:LOCAL_RANK``: more ranks than GPUs cannot start (checked before the
+    running pool is touched)."""
+    import torch
+
+    if device not in (None, "gpu") or gpus is not None or not torch.cuda.is_available():
+        return
+    count = torch.cuda.device_count()
+    if 0 < count < n:
+        raise ValueError(
+            f"{n} ranks on CUDA need a GPU each, and {count} GPU{'s' * (count != 1)} "
+            f"{'are' if count != 1 else 'is'} visible here: use -n {count}, or --device cpu"
         )
 
 
