@@ -34,9 +34,9 @@ import hashlib, io, types, torch, cloudpickle
 
 def _digest(obj):
     if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
+        t = obj.detach().cpu().contiguous().reshape(-1)
         raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return f"tensor {t.dtype} {tuple(t.shape)} " + hashlib.sha256(raw).hexdigest()
+        return f"tensor {t.dtype} {tuple(obj.shape)} " + hashlib.sha256(raw).hexdigest()
     if isinstance(obj, torch.nn.Module):
         return "module " + _digest(obj.state_dict())
     if isinstance(obj, torch.optim.Optimizer):

@@ -12,7 +12,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from test_kernel import execute, kernel  # noqa: F401 - the fixture, shared
+from test_kernel import execute
 
 pytestmark = pytest.mark.kernel
 
@@ -62,7 +62,7 @@ def lines(*answers: str):
     return lambda s: todo.pop(0)
 
 
-def test_breakpoint_in_rank_1_of_3_takes_commands_from_the_input_box(kernel):  # noqa: F811
+def test_breakpoint_in_rank_1_of_3_takes_commands_from_the_input_box(kernel):
     km, kc = kernel
     assert execute(kc, "%load_ext nbddp").error is None
     code = (
@@ -118,7 +118,7 @@ def test_breakpoint_in_rank_1_of_3_takes_commands_from_the_input_box(kernel):  #
     assert sorted(s.prompts) == ["(Pdb rank 0) ", "(Pdb rank 2) "]
 
 
-def test_post_mortem_reads_a_local_of_the_frame_that_raised(kernel):  # noqa: F811
+def test_post_mortem_reads_a_local_of_the_frame_that_raised(kernel):
     _, kc = kernel
     execute(kc, "%load_ext nbddp")
     code = "%%ddp -n 3 --text\ndef f(a):\n    local = a * 2 + 100\n    return 1 / (a - 1)\nf(rank)"

@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from helpers import frozen_charts, frozen_svgs
-from test_kernel import execute, kernel, one_usage_error  # noqa: F401 - the fixture, shared
+from test_kernel import execute, one_usage_error
 
 pytestmark = pytest.mark.kernel
 
@@ -61,7 +61,7 @@ def lines_by_metric(html: str) -> dict[str, int]:
 
 @pytest.mark.timeout(240)
 def test_charts_freeze_with_the_cell_and_percent_ddp_metrics_returns_every_point(
-    kernel,  # noqa: F811
+    kernel,
 ):
     _km, kc = kernel
     assert execute(kc, "%load_ext nbddp").error is None

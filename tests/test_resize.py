@@ -10,7 +10,7 @@ import pytest
 from helpers import namespace_digests, wait_gone
 from nbddp import Pool
 from nbddp.stacks import rank_set
-from test_kernel import execute, kernel, ranks_printing  # noqa: F401  (kernel: the fixture)
+from test_kernel import execute, ranks_printing
 
 STATE = (
     "model = torch.nn.Linear(3, 2)\n"
@@ -76,7 +76,7 @@ def test_a_resize_refused_by_the_pools_own_options_keeps_it():
 
 
 @pytest.mark.kernel
-def test_percent_ddp_n_resizes_in_a_kernel_and_replays_imports(kernel):  # noqa: F811
+def test_percent_ddp_n_resizes_in_a_kernel_and_replays_imports(kernel):
     _, kc = kernel
     assert execute(kc, "%load_ext nbddp").error is None
     assert execute(kc, "import math\nimport torch").error is None
