@@ -164,6 +164,7 @@ def test_the_death_note_names_modules_optimizers_and_big_tensors_first():
             + "zmodel = torch.nn.Linear(64, 64)\nzopt = torch.optim.SGD(zmodel.parameters())\n"
             "ybig = torch.zeros(10_000)\nxsmall = torch.zeros(10)\n",
             needs={"w": torch.ones(3), "cfg": {"lr": 0.1}},
+            versions={"w": 1, "cfg": 2},  # as the notebook sends them (else: the rank's own)
         )
         pid = pool.pids[1]
         os.kill(pid, signal.SIGKILL)
