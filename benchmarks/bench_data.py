@@ -14,20 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
-
-
-def timed(fn, repeat: int) -> float:
-    fn()  # warm up: first allocations, first cell
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from timing import timed
 
 
 def nbddp_figures(n: int, t: torch.Tensor, pull_numel: int, repeat: int) -> dict:

@@ -15,6 +15,8 @@ import os
 import statistics
 import time
 
+from timing import timed
+
 REFUSALS = {
     "--gpus for too few ranks": "%ddp start --gpus 0,1",
     "--mesh that does not fit": "%ddp start -n 4 --mesh dp=3",
@@ -22,15 +24,6 @@ REFUSALS = {
     "--backend nccl without CUDA": "%ddp start --backend nccl",
     "connect to a mistyped name": "%ddp connect nbddp-no-such-pool",
 }
-
-
-def median_s(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def refusals(repeat: int) -> dict[str, float]:
@@ -44,7 +37,7 @@ def refusals(repeat: int) -> dict[str, float]:
     pids = pool.pids
     out = {}
     for what, line in REFUSALS.items():
-        out[what] = median_s(lambda line=line: shell.run_cell(line, silent=True), repeat)
+        out[what] = timed(lambda line=line: shell.run_cell(line, silent=True), repeat, warm=False)
     assert shell.magics_manager.registry["DDPMagics"].pool.pids == pids, "a refusal moved it"
     shell.run_cell("%ddp stop")
     return out
@@ -75,7 +68,7 @@ def resizes(small: int, big: int, repeat: int) -> dict[str, float]:
                 pool.restart()
                 pool.execute("pass")
 
-            out[key] = median_s(once, repeat)
+            out[key] = timed(once, repeat, warm=False)
     return out
 
 

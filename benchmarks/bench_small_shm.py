@@ -16,23 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
+
+from timing import timed
 
 MOUNT = "mount -t tmpfs -o size=64m tmpfs /dev/shm"
 OPS = ("need", "out", "copy")
-
-
-def timed(fn, repeat: int) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def inner(n: int, mb: int, repeat: int) -> dict:
