@@ -17,6 +17,7 @@ CORE = {
     "queries", "layout", "logs", "drive", "sigint", "supervisor", "launch", "payload",
     "capture", "protocol", "events", "errors", "stacks", "streams", "sizes", "store",
     "copying", "detached", "detached_client", "detached_wire", "pool_calls", "wire",
+    "detached_folder", "detached_kernels", "detached_outbox", "detached_pool",
     "handshake", "private", "tls", "markers",
 }  # fmt: skip
 FRONT = {
