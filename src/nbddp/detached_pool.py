@@ -31,6 +31,7 @@ from . import capture, payload
 from . import detached_wire as W
 from . import errors as E
 from . import protocol as P
+from .cell import left_unread
 from .outcome import RawValue, load_value
 from .pool_calls import PoolCalls
 
@@ -247,11 +248,7 @@ class DetachedPool(PoolCalls):
         self._ended(request)
         if quiet:
             return
-        how = "it was interrupted" if end is not None and end.interrupted else "it had ended"
-        self.notes.append(
-            f"the previous cell's events were not read to its end: {how}, and its output "
-            "and values were dropped"
-        )
+        self.notes.append(left_unread(end))
 
     def interrupt(self) -> None:
         """From any thread, or a SIGINT handler that may have cut into a send of this
