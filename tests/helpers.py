@@ -43,6 +43,46 @@ def collect(events):
     return text, seen, end
 
 
+_DIGEST_SRC = """
+def digest(names):
+    import hashlib, pickle, types
+    import torch
+
+    def raw(v):
+        if isinstance(v, torch.nn.Module):
+            v = v.state_dict()
+        if isinstance(v, torch.Tensor):
+            t = v.detach().cpu().contiguous()
+            return repr((str(t.dtype), tuple(t.shape))).encode() + t.numpy().tobytes()
+        if isinstance(v, dict):
+            return b"{" + b",".join(raw(k) + b":" + raw(x) for k, x in v.items()) + b"}"
+        if isinstance(v, (list, tuple)):
+            return type(v).__name__.encode() + b"[" + b",".join(map(raw, v)) + b"]"
+        try:
+            return pickle.dumps(v)
+        except Exception:
+            return repr(v).encode()
+
+    skip = (types.ModuleType, types.FunctionType, type)
+    return {
+        k: hashlib.sha256(raw(v)).hexdigest()[:16]
+        for k, v in sorted(names.items())
+        if not k.startswith("_") and not isinstance(v, skip)
+    }
+"""
+
+# a cell's code whose value is a digest of the rank's namespace: {name: hash of its value}
+# (tensors and modules by their bytes; modules, functions, classes and _names left out);
+# it binds nothing on the rank
+NAMESPACE_DIGEST = f"(lambda d: (exec({_DIGEST_SRC!r}, d), d['digest'](globals()))[1])({{}})"
+
+
+def namespace_digest(pool) -> list[dict[str, str]]:
+    """Every rank's namespace digest (names and values), by rank: compare two to prove
+    nothing changed that an event does not name."""
+    return pool.execute(NAMESPACE_DIGEST)
+
+
 def wait_gone(pids, timeout=10.0, zombies=True):
     """Pids still alive after waiting up to ``timeout`` (zombies count as gone if ``zombies``)."""
     deadline = time.monotonic() + timeout

@@ -139,21 +139,28 @@ class Kernels:
                 if isinstance(msg, W.Call) and msg.method == "stop":
                     sup.ask_stop(f"`%ddp stop` from the kernel pid {pid}")  # not after the cell
                 sup.requests.put((outbox, msg))
-        with self.lock:
-            if self.client is outbox:  # it left: what it did not read waits for the next
-                self.client, self.idle_since = None, time.monotonic()
-                self.backlog.extend(outbox.take(), front=True)
-                outbox.close()
+        self._drop(outbox, None, outbox.why)  # it left (or was cut off)
 
     def _lost(self, outbox: Outbox, unsent: list, why: str) -> None:
         """The outbox's connection failed (or the kernel stopped reading)."""
         with self.lock:
             if outbox in self.leaving:
                 self.leaving.remove(outbox)
+        self._drop(outbox, unsent, why)
+
+    def _drop(self, outbox: Outbox, unsent: list | None, why: str) -> None:
+        """``outbox``'s kernel is gone: what it did not read (``unsent``, else what the
+        outbox holds) waits for the next one; if it was cut off (``why``), a note says so."""
+        with self.lock:
             if self.client is not outbox:
                 return
             self.client, self.idle_since = None, time.monotonic()
+            if unsent is None:
+                unsent = outbox.take()
+                outbox.close()
             self.backlog.extend(unsent, front=True)
+            if not why:
+                return
             note = (
                 f"the kernel pid {self.client_pid} {why} and was disconnected from the "
                 f"detached pool {self.sup.name}: what it had not read is kept for the next kernel"
@@ -169,7 +176,7 @@ class Kernels:
             if self.client is not None:
                 self.client.put(item)
             else:
-                self.backlog.extend(item.items if isinstance(item, W.Batch) else (item,))
+                self.backlog.extend((item,))
 
     def reply(self, outbox: Outbox, item: object) -> None:
         """To the kernel that asked, if it is still the one connected."""

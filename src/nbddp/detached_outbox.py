@@ -57,6 +57,11 @@ class Outbox:
     def ended(self) -> bool:
         return self._ended
 
+    @property
+    def why(self) -> str:
+        """Why :meth:`check` cut it off ("" if it did not)."""
+        return self._why
+
     def join(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for what is queued to go (after :meth:`close`)."""
         self._thread.join(timeout)

@@ -234,7 +234,7 @@ class Backlog:
         return len(self.items)
 
     def extend(self, items, front: bool = False) -> None:
-        items = list(items)
+        items = [x for i in items for x in (i.items if isinstance(i, Batch) else (i,))]
         if front:
             self.items.extendleft(reversed(items))
         else:
