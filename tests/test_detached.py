@@ -513,7 +513,7 @@ CLIENT = "import sys\nfrom nbddp import Pool\nPool.connect(sys.argv[1]).execute(
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sized", [2, 4], indirect=True, ids=["2ranks", "4ranks"])
+@pytest.mark.parametrize("sized", SIZES, indirect=True, ids=[f"{n}ranks" for n in SIZES])
 def test_a_client_killed_mid_cell_and_the_next_one_never_mixes_cells(detached):
     """A process using Pool.connect is SIGKILLed while its cell runs; a new one connects:
     each request gets its own answer, the old cell's end is kept for resume(), stop's
@@ -552,7 +552,7 @@ def test_a_client_killed_mid_cell_and_the_next_one_never_mixes_cells(detached):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sized", [2, 4], indirect=True, ids=["2ranks", "4ranks"])
+@pytest.mark.parametrize("sized", SIZES, indirect=True, ids=[f"{n}ranks" for n in SIZES])
 def test_a_run_left_early_or_never_read_is_ended_before_the_next_request(detached):
     """Breaking out of run() mid-cell, and a run() whose events are never read (Ctrl-C
     between run and the sink): the next request gets its own answer, the cell left is
