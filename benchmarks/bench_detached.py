@@ -6,7 +6,14 @@
 - ``--need`` of a 512 MB CPU tensor to 4 ranks, each pool in turn (target: the
   same within noise: the tensor goes through shared memory, not the supervisor);
 - connect: ``Pool.connect(NAME)`` to a detached pool of 8 ranks, to the first
-  cell's result (target: at most 1 s).
+  cell's result (target: at most 1 s);
+- a stop while a cell runs (4 ranks, default grace of 3 s): ``stop(NAME)`` from
+  another connection, to its answer and to every process gone, for a cell that
+  comes back from the interrupt (``time.sleep``) and for one that does not (its
+  ranks are killed after the grace period);
+- a kernel that stops reading while its cell prints 10 MB: ``listing()`` and a
+  takeover (``connect --force``), each timed (target: well under a second; they
+  waited forever before).
 
 Pools live in a temporary ``NBDDP_HOME``.
 """
@@ -19,6 +26,10 @@ import os
 import statistics
 import tempfile
 import time
+
+import psutil
+
+DEAF = "while True:\n    try:\n        time.sleep(0.1)\n    except KeyboardInterrupt:\n        pass"
 
 
 def _round_trips(pool, n: int) -> list[float]:
@@ -34,6 +45,37 @@ def _need(pool, tensor) -> float:
     t0 = time.perf_counter()
     pool.execute("big.shape[0]", needs={"big": tensor})
     return time.perf_counter() - t0
+
+
+def _stop_running(D, ranks: int, cell: str) -> tuple[float, float]:
+    """(s to stop()'s answer, s until every process of the pool is gone) while ``cell`` runs."""
+    pool = D.start("benchstop", ranks)
+    with open(os.path.join(os.environ["NBDDP_HOME"], "pools", "benchstop", "info.json")) as f:
+        supervisor = psutil.Process(json.load(f)["pid"])
+    family = [supervisor, *supervisor.children(recursive=True)]
+    events = pool.run("import time\nprint('go', flush=True)\n" + cell)
+    next(e for e in events if type(e).__name__ == "Output")
+    t0 = time.perf_counter()
+    D.stop("benchstop")
+    answered = time.perf_counter() - t0
+    psutil.wait_procs(family, timeout=60)
+    return answered, time.perf_counter() - t0
+
+
+def _deaf_kernel(D, ranks: int) -> tuple[float, float]:
+    """(s for listing(), s for connect --force) while the connected kernel reads nothing."""
+    pool = D.start("benchdeaf", ranks)
+    pool.run("any(print('x' * 200) for _ in range(50_000))")  # never read
+    time.sleep(1.0)  # (its socket fills)
+    t0 = time.perf_counter()
+    assert "benchdeaf" in [p["name"] for p in D.listing()]
+    listed = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    other = D.connect("benchdeaf", force=True)
+    taken = time.perf_counter() - t0
+    pool.disconnect()
+    other.stop()
+    return listed, taken
 
 
 def main() -> None:
@@ -86,6 +128,10 @@ def main() -> None:
     assert values == list(range(args.connect_ranks)), values
     again.stop()
 
+    for kind, cell in (("comes back", "time.sleep(600)"), ("does not", DEAF)):
+        results[f"stop_running_{kind.replace(' ', '_')}_s"] = _stop_running(D, args.ranks, cell)
+    results["deaf_kernel_s"] = _deaf_kernel(D, args.ranks)
+
     rtt, need = results["round_trip_ms"], results["need_s"]
     print(f"trivial cell round trip, {args.ranks} ranks (median of {args.rounds} x {args.cells}):")
     print(
@@ -101,6 +147,14 @@ def main() -> None:
         f"connect to a detached pool of {args.connect_ranks} ranks, to the first cell's "
         f"result: {results['connect_s']:.3f} s (target <= 1 s)"
     )
+    for kind in ("comes_back", "does_not"):
+        answer, gone = results[f"stop_running_{kind}_s"]
+        print(
+            f"stop while a cell runs ({kind.replace('_', ' ')} from the interrupt): answered in "
+            f"{answer:.2f} s, every process gone in {gone:.2f} s"
+        )
+    listed, taken = results["deaf_kernel_s"]
+    print(f"a kernel that stops reading: listing {listed:.3f} s, takeover {taken:.3f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -18,7 +18,7 @@ CORE = {
     "capture", "protocol", "events", "errors", "stacks", "streams", "sizes", "store",
     "copying", "detached", "detached_client", "detached_wire", "pool_calls", "wire",
     "handshake", "private", "tls", "markers", "resizing", "healing", "deathnote",
-    "carriers",
+    "carriers", "detached_folder", "detached_kernels", "detached_outbox", "detached_pool",
 }  # fmt: skip
 FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",

@@ -12,6 +12,7 @@ pool (:mod:`nbddp.recovery`).
 from __future__ import annotations
 
 import gc
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from .hub import Closed, Dones, Gone, Mark, Msg, Text
 from .outcome import Outcome, failures_of
 from .supervisor import CellSupervisor
 
-__all__ = ["Cell", "Requests", "make_runs"]
+__all__ = ["Cell", "Requests", "left_unread", "make_runs"]
 
 
 @dataclass
@@ -66,6 +67,16 @@ def make_runs(targets: list[int], shown: set[int], **fields) -> dict[int, P.Run]
     return {r: runs[r in shown] for r in targets}
 
 
+def left_unread(end: P.CellEnd | None) -> str:
+    """The note on a cell whose events were not read to its end, for the next cell."""
+    how = "it had ended"
+    if end is not None and end.interrupted:
+        how = "it was interrupted" + (" (every rank's state kept)" if end.kept else "")
+    if end is not None and end.errors:
+        how += f", rank{'s' * (len(end.errors) > 1)} {', '.join(map(str, end.errors))} failed"
+    return f"the previous cell's events were not read to its end: {how}; its output was dropped"
+
+
 class Cell:
     """The events of one cell, as it runs (an iterator: iterate it once)."""
 
@@ -76,6 +87,8 @@ class Cell:
         self.timeout, self.tick, self.shipments = timeout, tick, shipments
         self.sup: CellSupervisor | None = None
         self.out: Outcome | None = None
+        self.generation = getattr(pool, "generation", 0)  # (a restart since: ranks gone)
+        self.dropped = False  # finish() let it go: a close is no consumer giving up
         self._events = self._run()
 
     def __iter__(self):
@@ -86,6 +99,34 @@ class Cell:
 
     def close(self) -> None:
         self._events.close()
+
+    def finish(self) -> None:
+        """Its consumer left it before its end (a loop left early, Ctrl-C before its
+        events were shown): interrupt it if it still runs, read it to its end here (its
+        events dropped, a rank's pdb closed), and say so with the next cell. A cell that
+        never started is dropped: it never ran."""
+        pool, state = self.pool, inspect.getgeneratorstate(self._events)
+        if state == inspect.GEN_CLOSED:
+            return
+        gone = self.generation != pool.generation or not pool.started  # (stopped since)
+        if state == inspect.GEN_CREATED or gone:
+            self.dropped = True
+            self._events.close()
+            for shipment in self.shipments:
+                shipment.remove()
+            pool.requests.ended(self.cell)
+            if state == inspect.GEN_CREATED:
+                pool.notes.append("the previous cell's events were never read: it did not run")
+            return
+        if self.sup is None or not self.sup.finished:
+            pool.interrupt()
+        end = None
+        for event in self._events:
+            if isinstance(event, P.RankDebug):
+                pool.debug_reply(event, None)
+            elif isinstance(event, P.CellEnd):
+                end = event
+        pool.notes.append(left_unread(end))
 
     # ------------------------------------------------------------ the cell's life
 
@@ -131,8 +172,8 @@ class Cell:
             pool.requests.ended(self.cell)
             for shipment in self.shipments:  # every rank has loaded them by now
                 shipment.remove()
-            if not sup.finished:  # the consumer gave up on us: leave nothing running
-                pool.lose()
+            if not sup.finished and not self.dropped:  # the consumer gave up on us (close):
+                pool.lose()  # leave nothing running
 
     def _send_runs(self, targets: list[int]) -> None:
         by_message: dict[int, list[int]] = {}  # one pickle per message, one write per relay
@@ -161,6 +202,8 @@ class Cell:
             for f in consequences:
                 if f.rank not in end.freed:
                     yield P.RankState(f.rank, "freed")
+        if getattr(pool, "last_cell", None) is self:
+            pool.last_cell = None  # read to its end (and its values not held by the pool)
         yield end
 
     # ------------------------------------------------------------ one step

@@ -12,13 +12,21 @@ processes of the same user, on a socket only that user can reach::
     kernel                                   supervisor
     Hello(pid, force) ---------------------->
                    <------------------------ Welcome(state, resumed) | Refused(reason)
-                   <------------------------ Event ... (a cell that ran meanwhile)
-    Call(method, args, kwargs) ------------->
-                   <------------------------ Reply(value, state) | Failed(...)
-    RunCell(kwargs) ------------------------>
-                   <------------------------ Event ... Event(CellEnd), then Reply
-    Interrupt | DebugReply (any time) ------>
+                   <------------------------ Event(.., resumed) ... (a cell that ran meanwhile)
+    Call(method, args, kwargs, request) ---->
+                   <------------------------ Reply(value, state, request) | Failed(...)
+    RunCell(kwargs, request) --------------->
+                   <------------------------ Event(.., request) ... (CellEnd), then Reply
+    Interrupt(request) | DebugReply -------->   (any time)
                    <------------------------ TakenOver(pid)   (another kernel connected)
+    Leave() -------------------------------->   (%ddp disconnect)
+                   <------------------------ ... Bye()   (nothing more comes)
+    Unread(items) -------------------------->   (what it got but did not read: kept)
+
+Every request carries an id of the kernel's choosing (random at each connect, so two
+kernels' ids never meet), and everything the supervisor answers carries the id of the
+request it answers: a kernel routes what comes by id, and never takes one cell's (or a
+killed kernel's cell's) events or reply for another request's.
 """
 
 from __future__ import annotations
@@ -26,30 +34,38 @@ from __future__ import annotations
 import os
 import pickle
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 
+from . import protocol as P
 from .wire import Channel
 
 __all__ = [
+    "BACKLOG",
+    "Backlog",
     "Batch",
+    "Bye",
     "Call",
     "DebugReply",
     "Event",
     "Failed",
     "Hello",
     "Interrupt",
+    "Leave",
     "Link",
     "PoolState",
     "Refused",
     "Reply",
     "RunCell",
     "TakenOver",
+    "Unread",
     "Welcome",
     "folder_of",
     "pools_folder",
 ]
 
-VERSION = 1
+VERSION = 2  # 2: requests and answers carry an id
+BACKLOG = 10_000  # output events kept for a kernel that does not read them now
 
 
 class Link:
@@ -101,6 +117,7 @@ class PoolState:
     pids: list[int]
     backend: str
     last_stacks: dict = field(default_factory=dict)
+    grace: float = 3.0  # s the ranks have to come back from an interrupt
 
 
 @dataclass(frozen=True)
@@ -114,7 +131,7 @@ class Hello:
 @dataclass(frozen=True)
 class Welcome:
     state: PoolState
-    resumed: bool  # a cell ran while no kernel was connected: its events follow
+    resumed: int | None  # the request id of a cell that ran meanwhile: its events follow
 
 
 @dataclass(frozen=True)
@@ -132,12 +149,14 @@ class Call:
     method: str
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    request: int | None = None
 
 
 @dataclass(frozen=True)
 class Reply:
     value: object
     state: PoolState
+    request: int | None = None  # the request it answers (None: a peek)
 
 
 @dataclass(frozen=True)
@@ -145,16 +164,19 @@ class Failed:
     exc_type: str  # the name of an nbddp error class, or of a builtin one
     message: str
     state: PoolState
+    request: int | None = None
 
 
 @dataclass(frozen=True)
 class RunCell:
     kwargs: dict  # Pool.run's; shipments as (data, files)
+    request: int | None = None
 
 
 @dataclass(frozen=True)
 class Event:
     event: object  # an nbddp.events event
+    request: int | None = None  # the RunCell whose cell gave it
 
 
 @dataclass(frozen=True)
@@ -168,10 +190,75 @@ class Batch:
 
 @dataclass(frozen=True)
 class Interrupt:
-    pass
+    request: int | None = None  # the cell to interrupt (None: whichever runs)
+
+
+@dataclass(frozen=True)
+class Leave:
+    """The kernel disconnects: send nothing more (then Bye)."""
+
+
+@dataclass(frozen=True)
+class Bye:
+    """Nothing more comes on this connection."""
+
+
+@dataclass(frozen=True)
+class Unread:
+    """What the kernel received and did not read (a cell's rest): kept for the next one."""
+
+    items: tuple
 
 
 @dataclass(frozen=True)
 class DebugReply:
     prompt: object  # the RankDebug it answers
     line: str | None
+
+
+def is_output(item: object) -> bool:
+    return isinstance(item, Event) and isinstance(item.event, P.Output)
+
+
+class Backlog:
+    """What waits for a kernel to read it, in order, with at most ``limit`` output events
+    (the oldest go first, counted in :attr:`dropped`; every other event is kept)."""
+
+    def __init__(self, limit: int = BACKLOG) -> None:
+        self.limit = limit
+        self.items: deque = deque()
+        self.outputs = 0  # output events held
+        self.dropped = 0  # output events dropped so far
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def extend(self, items, front: bool = False) -> None:
+        items = [x for i in items for x in (i.items if isinstance(i, Batch) else (i,))]
+        if front:
+            self.items.extendleft(reversed(items))
+        else:
+            self.items.extend(items)
+        self.outputs += sum(map(is_output, items))
+        if self.outputs > self.limit * 1.25:  # (amortized: one pass drops many)
+            self._drop()
+
+    def pop(self) -> object:
+        item = self.items.popleft()
+        self.outputs -= is_output(item)
+        return item
+
+    def take(self) -> tuple:
+        items, self.items, self.outputs = tuple(self.items), deque(), 0
+        return items
+
+    def _drop(self) -> None:
+        drop = self.outputs - self.limit
+        kept: deque = deque()
+        for item in self.items:
+            if drop and is_output(item):
+                drop -= 1
+                self.dropped += 1
+            else:
+                kept.append(item)
+        self.items, self.outputs = kept, self.limit

@@ -68,10 +68,10 @@ def disconnect(session: Session) -> None:
 
 def stop(name: str) -> None:
     try:
-        detached_client.stop(name)
+        said = detached_client.stop(name)
     except (NbddpError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    say(f"stopped the detached pool {name}")
+    say(f"stopped the detached pool {name}" + (f": {said}" if said else ""))
 
 
 def table() -> str:
@@ -81,6 +81,11 @@ def table() -> str:
     rows = [("name", "ranks", "alive", "state", "kernel", "uptime", "rss")]
     now = time.time()
     for p in pools:
+        if not p["answer"]:  # it lives (its lock is held) but does not answer here
+            where = "starting" if p["pid"] is None else f"on host {p['host']}, pid {p['pid']}"
+            ranks = "?" if p["world_size"] is None else str(p["world_size"])
+            rows.append((p["name"], ranks, "?", f"not answering here ({where})", "?", "?", "?"))
+            continue
         since = p["running_since"]
         state = "idle" if since is None else f"running {now - since:.0f} s"
         if p["connected"]:

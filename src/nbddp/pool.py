@@ -135,6 +135,7 @@ class Pool(PoolCalls):
         self.hub.exits = lambda: self.procs.exited(self.roster.pids())
         self.roster.hub = self.hub
         self._cells = itertools.count(1)
+        self.last_cell: Cell | None = None  # run() made it; not read to its end yet
         # a new one at each start and each replacement: a new generation has ranks with
         # fresh namespaces (so the notebook's imports and objects go to them again); random
         # at each start, so that no two pools share one
@@ -366,6 +367,9 @@ class Pool(PoolCalls):
         A rank in pdb (``breakpoint()``) yields ``RankDebug`` each time it wants a
         line; answer with :meth:`debug_reply`.
         """
+        if self.last_cell is not None:  # left before its end: ended first (said in a note)
+            self.last_cell, previous = None, self.last_cell
+            previous.finish()
         recovery.ready_for_a_cell(self)
         targets = sorted(set(range(self.world_size) if ranks is None else ranks))
         bad = [r for r in targets if not 0 <= r < self.world_size]
@@ -391,7 +395,8 @@ class Pool(PoolCalls):
         )
         self.requests.pending = cell  # an interrupt from now on is for this cell
         shipments = [s for s in (needs, auto) if s]
-        return Cell(self, cell, runs, timeout, tick, shipments, raw_values)
+        self.last_cell = Cell(self, cell, runs, timeout, tick, shipments, raw_values)
+        return self.last_cell
 
     def interrupt(self) -> None:
         """Interrupt the cell that runs, or is about to run, on every rank running it.
