@@ -519,7 +519,7 @@ def test_a_client_killed_mid_cell_and_the_next_one_never_mixes_cells(detached):
     each request gets its own answer, the old cell's end is kept for resume(), stop's
     call works, and every rank's namespace is what it was plus what the old cell did."""
     name, n = detached.name, detached.pool.world_size
-    detached.pool.execute("kept = rank * 7 + 1\nw = torch.arange(3.0) + rank")
+    detached.pool.execute("import time\nkept = rank * 7 + 1\nw = torch.arange(3.0) + rank")
     before = namespace_digests(detached.pool)
     detached.pool.disconnect()
     child = subprocess.Popen([sys.executable, "-c", CLIENT, name, OLD_CELL])

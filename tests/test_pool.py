@@ -312,8 +312,8 @@ def test_fork_is_refused_when_cuda_is_initialised_in_the_notebook(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    with pytest.raises(PoolStartError, match="'fork' is unsafe: CUDA is initialised"):
-        Pool(1, start_method="fork").start()
+    with pytest.raises(ValueError, match="'fork' is unsafe: CUDA is initialised"):
+        Pool(1, start_method="fork")  # checked before anything starts
 
 
 def test_progress_and_rich_output_come_as_events_from_the_display_ranks(pool):

@@ -29,7 +29,7 @@ def ready(pool_of_size):
 @pytest.mark.parametrize("pool_of_size", SIZES, indirect=True, ids=[f"{n}ranks" for n in SIZES])
 def test_a_loop_left_early_keeps_every_rank_and_the_next_cell_ends_the_old_one(ready):
     pool, n = ready, ready.world_size
-    pool.execute("kept = rank * 5 + 2\nw = torch.arange(4.0) * rank")
+    pool.execute("import time\nkept = rank * 5 + 2\nw = torch.arange(4.0) * rank")
     before, pids = namespace_digests(pool), list(pool.pids)
     for event in pool.run(SLEEPER):
         if isinstance(event, P.Output):

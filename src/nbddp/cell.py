@@ -89,7 +89,13 @@ class Cell:
         self.out: Outcome | None = None
         self.generation = getattr(pool, "generation", 0)  # (a restart since: ranks gone)
         self.dropped = False  # finish() let it go: a close is no consumer giving up
+        self.outer: Cell | None = None  # the cell this one runs inside (a heal's copy)
         self._events = self._run()
+
+    @property
+    def running(self) -> bool:
+        """Its events are being made now: a cell run from inside it is nested, not next."""
+        return inspect.getgeneratorstate(self._events) == inspect.GEN_RUNNING
 
     def __iter__(self):
         return self._events  # (the generator itself: no call of ours per event)
@@ -202,8 +208,8 @@ class Cell:
             for f in consequences:
                 if f.rank not in end.freed:
                     yield P.RankState(f.rank, "freed")
-        if getattr(pool, "last_cell", None) is self:
-            pool.last_cell = None  # read to its end (and its values not held by the pool)
+        if getattr(pool, "last_cell", None) is self:  # read to its end (values not held)
+            pool.last_cell = self.outer  # (the cell this one ran inside, if any)
         yield end
 
     # ------------------------------------------------------------ one step

@@ -367,8 +367,10 @@ class Pool(PoolCalls):
         A rank in pdb (``breakpoint()``) yields ``RankDebug`` each time it wants a
         line; answer with :meth:`debug_reply`.
         """
-        if self.last_cell is not None:  # left before its end: ended first (said in a note)
-            self.last_cell, previous = None, self.last_cell
+        previous = self.last_cell
+        nested = previous is not None and previous.running  # (a heal's copy, in a cell)
+        if previous is not None and not nested:  # left before its end: ended first (a note)
+            self.last_cell = None
             previous.finish()
         recovery.ready_for_a_cell(self)
         targets = sorted(set(range(self.world_size) if ranks is None else ranks))
@@ -396,6 +398,7 @@ class Pool(PoolCalls):
         self.requests.pending = cell  # an interrupt from now on is for this cell
         shipments = [s for s in (needs, auto) if s]
         self.last_cell = Cell(self, cell, runs, timeout, tick, shipments, raw_values)
+        self.last_cell.outer = previous if nested else None
         return self.last_cell
 
     def interrupt(self) -> None:
