@@ -605,12 +605,13 @@ def test_a_kernel_that_stops_reading_locks_no_one_out_and_is_dropped_with_a_note
             assert time.monotonic() < deadline, pools
             time.sleep(0.2)
         b = detached_client.connect("deaf")
-        assert b.resumed is True
-        resumed = next(e for e in b.resume() if isinstance(e, P.CellEnd))
-        assert resumed.errors == {}
+        # what A's socket had not taken is kept for B
+        assert b.resumed is True  # A's socket took ~200 KB of the 10 MB
+        resumed = [e for e in b.resume() if isinstance(e, P.CellEnd)]
+        assert all(end.errors == {} for end in resumed)
         _text, _seen, end = collect(b.run("kept", want_values=True))
         assert end.values == {0: 3, 1: 4}
-        notes = [*resumed.notes, *end.notes]  # (the first cell's end after the drop says it)
+        notes = [n for e in [*resumed, end] for n in e.notes]  # (the first end after the drop)
         assert any(
             f"the kernel pid {os.getpid()} did not read for 2 s and was disconnected" in note
             for note in notes

@@ -139,26 +139,24 @@ class Kernels:
                 if isinstance(msg, W.Call) and msg.method == "stop":
                     sup.ask_stop(f"`%ddp stop` from the kernel pid {pid}")  # not after the cell
                 sup.requests.put((outbox, msg))
-        self._drop(outbox, None, outbox.why)  # it left (or was cut off)
+        self._drop(outbox, outbox.why)  # it left (or was cut off)
 
-    def _lost(self, outbox: Outbox, unsent: list, why: str) -> None:
+    def _lost(self, outbox: Outbox, why: str) -> None:
         """The outbox's connection failed (or the kernel stopped reading)."""
         with self.lock:
             if outbox in self.leaving:
                 self.leaving.remove(outbox)
-        self._drop(outbox, unsent, why)
+        self._drop(outbox, why)
 
-    def _drop(self, outbox: Outbox, unsent: list | None, why: str) -> None:
-        """``outbox``'s kernel is gone: what it did not read (``unsent``, else what the
-        outbox holds) waits for the next one; if it was cut off (``why``), a note says so."""
+    def _drop(self, outbox: Outbox, why: str) -> None:
+        """``outbox``'s kernel is gone (its reader or its writer saw it first): what it
+        did not receive waits for the next one; if it was cut off (``why``), a note says so."""
         with self.lock:
             if self.client is not outbox:
                 return
             self.client, self.idle_since = None, time.monotonic()
-            if unsent is None:
-                unsent = outbox.take()
-                outbox.close()
-            self.backlog.extend(unsent, front=True)
+            self.backlog.extend(outbox.take(), front=True)
+            outbox.close()
             if not why:
                 return
             note = (

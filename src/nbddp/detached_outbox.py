@@ -13,6 +13,7 @@ what it had not received goes back to the supervisor, kept for the next kernel.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import socket
 import sys
 import threading
@@ -30,15 +31,16 @@ SEND_DEADLINE = 10.0  # s one message to a kernel may take before that kernel is
 class Outbox:
     """One kernel's connection, written by a thread of its own.
 
-    ``lost(outbox, unsent, why)`` is called once, from the writer thread, when the
-    connection ends for any reason other than :meth:`close`: ``unsent`` is what it did
-    not fully receive (the message being written included), ``why`` a line.
+    ``lost(outbox, why)`` is called once, from the writer thread, when the connection
+    ends for any reason other than :meth:`close` (``why``: a line); what the kernel did
+    not fully receive is still in the outbox then, for :meth:`take` (the message being
+    written included).
     """
 
     def __init__(
         self,
         conn: Link,
-        lost: Callable[[Outbox, list, str], None],
+        lost: Callable[[Outbox, str], None],
         deadline: float = SEND_DEADLINE,
     ) -> None:
         self.conn, self.lost, self.deadline = conn, lost, deadline
@@ -112,7 +114,6 @@ class Outbox:
             if not self._queue:
                 return None  # closing, and all was sent
             self._current = self._queue.popleft()
-            self._busy_since = time.monotonic()
             return self._current
 
     def _write(self) -> None:
@@ -121,12 +122,17 @@ class Outbox:
             if item is None:
                 break
             try:
-                self.conn.send(item)
-            except (OSError, ValueError) as exc:  # (ValueError: a closed socket)
-                self._end(self._why or f"its connection failed ({exc})")
-                return
+                data = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:  # it cannot be pickled: said in the log, not sent
                 print(f"nbddp: not sent to the kernel: {exc!r}", file=sys.stderr, flush=True)
+                data = None
+            if data is not None:
+                self._busy_since = time.monotonic()  # (the write, not the pickling, counts)
+                try:
+                    self.conn.channel.send_bytes(data)
+                except (OSError, ValueError) as exc:  # (ValueError: a closed socket)
+                    self._end(self._why or f"its connection failed ({exc})")
+                    return
             with self._cond:
                 self._current, self._busy_since = None, None
         self._ended = True
@@ -135,6 +141,5 @@ class Outbox:
 
     def _end(self, why: str) -> None:
         self._ended = True
-        unsent = [] if self._closing else self.take()
         self.conn.close()
-        self.lost(self, unsent, why)
+        self.lost(self, why)  # (what was not sent stays here: taken by whoever drops it)
