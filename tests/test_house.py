@@ -18,7 +18,7 @@ CORE = {
     "capture", "protocol", "events", "errors", "stacks", "streams", "sizes", "store",
     "copying", "detached", "detached_client", "detached_wire", "pool_calls", "wire",
     "handshake", "private", "tls", "markers", "resizing", "healing", "deathnote",
-    "carriers",
+    "carriers", "gpus",
 }  # fmt: skip
 FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",
@@ -35,7 +35,7 @@ WORKER = {
 # authenticated connections and private files
 SHARED = {
     "protocol", "events", "errors", "stacks", "payload", "launch", "listener", "streams", "store",
-    "wire", "handshake", "private", "tls", "markers", "carriers",
+    "wire", "handshake", "private", "tls", "markers", "carriers", "gpus",
 }  # fmt: skip
 NOTEBOOK_SIDE = CORE - SHARED
 FRONT_END_LIBRARIES = ("IPython", "ipykernel", "ipywidgets", "anywidget")
