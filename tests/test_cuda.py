@@ -173,7 +173,7 @@ def sharing_pool(request):
 def test_ranks_sharing_a_gpu_use_gloo_and_cuda_0(sharing_pool):
     pool, notes = sharing_pool
     n = pool.world_size
-    assert notes == [f"{n} ranks share 1 GPU: gloo, since NCCL needs a GPU per rank"]
+    assert notes.count(f"{n} ranks share 1 GPU: gloo, since NCCL needs a GPU per rank") == 1
     code = (
         "import os, torch.distributed as dist\n"
         "t = torch.ones(1024, device=device) * (rank + 1)\n"
