@@ -127,19 +127,20 @@ def test_a_new_pool_that_fails_to_start_says_what_the_old_one_held(kc, held):
     assert "they held model, opt, w; the new one failed: rank " in said, said
 
 
-def test_more_local_ranks_than_gpus_are_refused_before_the_pool_is_touched(monkeypatch):
-    """On a one-GPU machine, ``-n 2`` on CUDA cannot start (rank 1 has no cuda:1): refused
-    in one line by the checks, so a running 1-rank pool is never let go for it."""
+def test_more_local_ranks_than_gpus_share_them_and_nccl_for_them_is_refused(monkeypatch):
+    """On a one-GPU machine, ``-n 2`` shares the GPU over gloo (not refused: nbddp.gpus);
+    ``--backend nccl -n 2`` cannot start and is refused in one line by the checks, so a
+    running 1-rank pool is never let go for it."""
     import torch
 
     from nbddp.layout import check_pool
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(ValueError, match=r"^2 ranks on CUDA need a GPU each, and 1 GPU is"):
-        check_pool(2)
-    with pytest.raises(ValueError, match="use -n 1, or --device cpu"):
-        check_pool(3, device="gpu")
-    check_pool(1)
+    check_pool(2)
+    check_pool(3, device="gpu")
+    with pytest.raises(ValueError, match=r"^--backend nccl needs a GPU per rank: 2 ranks, 1 GPU"):
+        check_pool(2, backend="nccl")
+    check_pool(1, backend="nccl")
     check_pool(2, device="cpu")
     check_pool(2, listen=("127.0.0.1", 0), token=b"t")  # attached: the ranks are elsewhere

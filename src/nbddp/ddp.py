@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .gpus import plan, visible_gpus
+
 __all__ = [
     "DDPContext",
     "default_backend",
@@ -30,11 +32,10 @@ __all__ = [
 DEVICES = ("cpu", "gpu", "mps")
 
 
-def default_backend(device: str | None = None) -> str:
-    """nccl when the rank uses a CUDA device, else gloo."""
-    if device == "gpu" or (device is None and torch.cuda.is_available()):
-        return "nccl"
-    return "gloo"
+def default_backend(device: str | None = None, ranks: int = 1) -> str:
+    """nccl when each of the host's ``ranks`` ranks has a CUDA GPU of its own, else gloo
+    (ranks that share a GPU, or CPU ranks): :func:`nbddp.gpus.plan`."""
+    return plan(ranks, device=device, count=visible_gpus()).backend
 
 
 def check_device(device: str | None) -> None:
@@ -95,7 +96,9 @@ class DDPContext:
 
     Without ``store`` the group is formed from torchrun's environment
     (``env://``). With a ``store`` (a ``TCPStore``), ``rank`` and ``world_size``
-    must be given. On CUDA the current device becomes ``cuda:LOCAL_RANK``.
+    must be given. On CUDA the current device becomes ``cuda:<gpu>``: the one the pool
+    chose (``gpu``), else ``cuda:LOCAL_RANK``, round-robin over the GPUs when the host
+    has more ranks (``LOCAL_WORLD_SIZE``) than GPUs (then the default backend is gloo).
     ``seed`` seeds every generator; ``groups`` ("0,2;1,3") makes subgroups
     (``.group`` is this rank's); ``mesh`` ("dp=2,tp=2") makes a DeviceMesh.
     """
@@ -112,14 +115,18 @@ class DDPContext:
         seed: int | None = None,
         groups: str | None = None,
         mesh: str | None = None,
+        gpu: int | None = None,
     ) -> None:
         check_device(device)
         self.device_kind = device
-        self.backend = backend or default_backend(device)
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or self.local_rank + 1
+        mine = plan(local, backend=backend, device=device, count=visible_gpus())
+        self.backend = backend or mine.backend
+        self.gpu = mine.gpu(self.local_rank) if gpu is None else gpu
         self.store = store
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.timeout = timeout
         self.seed = seed
         self.group_spec, self.mesh_spec = groups, mesh
@@ -131,8 +138,8 @@ class DDPContext:
     def _pick_device(self) -> torch.device:
         if self.device_kind == "mps":
             return torch.device("mps")
-        if self.backend == "nccl" or self.device_kind == "gpu":
-            return torch.device("cuda", self.local_rank)
+        if self.gpu is not None:
+            return torch.device("cuda", self.gpu)
         return torch.device("cpu")
 
     def __enter__(self) -> DDPContext:

@@ -15,6 +15,7 @@ import stat
 import sys
 
 from .ddp import check_device, parse_groups, parse_mesh
+from .gpus import plan, visible_gpus
 from .launch import START_METHODS
 from .private import UnsafeFile, checked_folder, make_folder, workspace_folder
 
@@ -51,8 +52,6 @@ def check_pool(
     check_options(n, start_method, backend, listen, token, threads, on_death)
     check_layout(n, device, gpus, groups, mesh)
     check_backend(n, backend, device, gpus)
-    if listen is None:
-        check_gpus_per_rank(n, device, gpus)
     check_times(pg_timeout=pg_timeout, start_timeout=start_timeout, grace=grace)
     if abort_after is None or abort_after < 0:
         raise ValueError(f"abort_after: seconds >= 0, not {abort_after!r}")
@@ -109,10 +108,9 @@ def check_layout(n, device, gpus, groups, mesh) -> None:
 
 
 def check_backend(n: int, backend: str | None, device: str | None, gpus) -> None:
-    """NCCL needs CUDA and a GPU per rank; ``--gpus`` must name GPUs this host has."""
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """NCCL needs CUDA and a GPU per rank; ``--gpus`` must name GPUs this host has. More
+    ranks than GPUs without ``--backend nccl`` share them over gloo (:mod:`nbddp.gpus`)."""
+    count = visible_gpus()
     if gpus is not None and any(not isinstance(g, int) or g < 0 for g in gpus):
         raise ValueError(f"--gpus takes GPU numbers like 0,3, not {gpus}")
     if gpus and count and "CUDA_VISIBLE_DEVICES" not in os.environ and max(gpus) >= count:
@@ -125,27 +123,12 @@ def check_backend(n: int, backend: str | None, device: str | None, gpus) -> None
         raise ValueError(
             "--backend nccl needs CUDA GPUs and none is visible here: use --backend gloo"
         )
-    have = len(gpus) if gpus is not None else count
-    if have < n:
+    chosen = plan(n, backend=backend, device=device, gpus=gpus, count=count)
+    if chosen.shared:
+        have = len(set(chosen.gpus))
         raise ValueError(
             f"--backend nccl needs a GPU per rank: {n} ranks, {have} GPU{'s' * (have != 1)} "
-            f"here; use -n {have}, or --backend gloo"
-        )
-
-
-def check_gpus_per_rank(n: int, device: str | None, gpus) -> None:
-    """Ranks on this host on CUDA (``--device gpu``, or the default where CUDA is visible)
-    each take ``cuda:LOCAL_RANK``: more ranks than GPUs cannot start (checked before the
-    running pool is touched)."""
-    import torch
-
-    if device not in (None, "gpu") or gpus is not None or not torch.cuda.is_available():
-        return
-    count = torch.cuda.device_count()
-    if 0 < count < n:
-        raise ValueError(
-            f"{n} ranks on CUDA need a GPU each, and {count} GPU{'s' * (count != 1)} "
-            f"{'are' if count != 1 else 'is'} visible here: use -n {count}, or --device cpu"
+            f"{'named' if gpus is not None else 'here'}; use -n {have}, or --backend gloo"
         )
 
 

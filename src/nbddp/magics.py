@@ -19,6 +19,7 @@ from .autocapture import AutoCapture
 from .dashboard import Dashboard, TextSink
 from .drive import drive
 from .errors import CaptureError, CellFailed, PoolClosedError, PoolStartError, RankFailed
+from .gpus import devices_line
 from .magics_pool import PoolCommands
 from .metric_store import CellMetrics
 from .options import (
@@ -248,12 +249,11 @@ class DDPMagics(PoolCommands, Magics):
         metrics = CellMetrics(self.session.metrics, f"In [{self.shell.execution_count}]")
         if quiet or text or getattr(self.shell, "kernel", None) is None:
             return TextSink(quiet=quiet, hosts=pool.hosts, fold=fold, metrics=metrics)
-        devices = sorted(set(pool.devices))
         return Dashboard(
             list(range(pool.world_size)) if ranks is None else ranks,
             world_size=pool.world_size,
             backend=pool.backend_in_use,
-            devices=", ".join(devices) if len(devices) <= 2 else f"{len(devices)} devices",
+            devices=devices_line(pool.devices),
             hosts=pool.hosts,
             fold=fold,
             metrics=metrics,

@@ -29,6 +29,7 @@ from . import capture, copying, payload, queries, recovery, resizing
 from . import protocol as P
 from .cell import Cell, Requests, make_runs
 from .errors import NbddpError
+from .gpus import gpu_notes
 from .healing import check_heal
 from .hub import Hub
 from .layout import check_pool
@@ -222,6 +223,7 @@ class Pool(PoolCalls):
                     self.roster.add(rank, pid)
             self.handshake(self.start_timeout)
             self.generation = secrets.randbits(48) << 16
+            self.notes += gpu_notes(self)  # ranks that share a GPU: said once
             self.state = "ready"
         except BaseException:
             self._teardown(keep_launcher=False)

@@ -20,6 +20,7 @@ import tempfile
 import time
 
 from . import carriers, payload
+from .gpus import pool_plan
 from .launch import Launcher, make_launcher
 from .sizes import human
 
@@ -182,8 +183,10 @@ def rank_env(pool, rank: int, generation: int = 0) -> dict[str, str]:
     # leaves the process alone (2, CleanUpOnly), where torch's default (3) ends the
     # process: a survivor of a peer's death must live on with its namespace
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    chosen = pool_plan(pool)  # decided here, once: which backend, which GPU
     for var, value in (
-        ("NBDDP_BACKEND", pool.backend),
+        ("NBDDP_BACKEND", chosen.backend),
+        ("NBDDP_GPU", chosen.gpu(rank)),
         ("NBDDP_PG_TIMEOUT", pool.pg_timeout or None),
         ("NBDDP_DEVICE", pool.device),
         ("NBDDP_SEED", pool.seed),
@@ -191,7 +194,7 @@ def rank_env(pool, rank: int, generation: int = 0) -> dict[str, str]:
         ("NBDDP_MESH", pool.mesh),
         ("NBDDP_THREADS", pool.threads),
         ("TORCH_DISTRIBUTED_DEBUG", "DETAIL" if pool.debug else None),
-        ("CUDA_VISIBLE_DEVICES", None if pool.gpus is None else ",".join(map(str, pool.gpus))),
+        ("CUDA_VISIBLE_DEVICES", chosen.visible),
     ):
         if value is not None and value != "":
             env[var] = str(value)

@@ -331,11 +331,13 @@ class Reform:
 
     ``generation`` names it in the store the ranks already share, so a re-form
     opens no new store connection. ``world_size`` (0: unchanged) is the group's size
-    when the pool was resized: the rank's ``world_size`` and env follow it.
+    when the pool was resized: the rank's ``world_size`` and env follow it. ``backend``
+    ("": unchanged) is the group's at that size (ranks that come to share a GPU: gloo).
     """
 
     generation: int = 0
     world_size: int = 0
+    backend: str = ""
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from . import protocol as P
 from . import stacks as S
 from .deathnote import replaced_note
 from .errors import PoolClosedError, PoolStartError, RankDied
+from .gpus import pool_plan
 from .hub import Gone
 from .processes import rank_env
 from .roster import RankGone
@@ -187,6 +188,8 @@ def _form_again(pool, dead: list[int], timeout: float, new: tuple[int, ...] = ()
     roster.store_port = None
     had: dict[int, _Dead] = {}
     pending, fresh, again = sorted(dead), set(new), False
+    chosen = pool_plan(pool)  # a resize may change it: ranks that come to share a GPU
+    backend = chosen.backend if chosen is not None else ""
     requests.reforming, requests.cancel_wait = True, False
     try:
         while True:
@@ -211,7 +214,7 @@ def _form_again(pool, dead: list[int], timeout: float, new: tuple[int, ...] = ()
                 r.state = "starting"
                 if again:  # free those waiting in the re-form a death broke
                     r.send(P.AbortGroup())
-                r.send(P.Reform(roster.reforms, pool.world_size))
+                r.send(P.Reform(roster.reforms, pool.world_size, backend))
             fresh, again = set(restart), True
             try:
                 pool.handshake(timeout, lambda: requests.cancel_wait)

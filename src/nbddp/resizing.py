@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from . import protocol as P
 from . import recovery
 from .errors import NbddpError, PoolStartError
+from .gpus import gpu_notes
 from .layout import check_backend, check_layout, check_log_dir
 from .processes import enough_open_files
 from .stacks import rank_set
@@ -115,6 +116,7 @@ def resize(pool, n: int) -> Resized:
     t0 = time.monotonic()
     if n == old:
         return Resized(old, n, 0.0, {})
+    shared_before = gpu_notes(pool)
     stopped = _stop_ranks(pool, list(range(n, old)))
     pool.world_size = pool.roster.world_size = n
     new = tuple(range(old, n))
@@ -132,6 +134,8 @@ def resize(pool, n: int) -> Resized:
             "was stopped; the next cell starts a new one (the ranks' state is lost)"
         ) from None
     pool.state = "ready"
+    if gpu_notes(pool) != shared_before:
+        pool.notes += gpu_notes(pool)  # ranks that now share a GPU: said once
     if new:
         pool.generation += 1  # fresh namespaces: the notebook's imports are replayed
     return Resized(old, n, time.monotonic() - t0, stopped)

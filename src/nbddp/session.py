@@ -15,6 +15,7 @@ import torch
 
 from . import resizing
 from .errors import NbddpError, PoolStartError
+from .gpus import gpu_notes
 from .layout import check_pool
 from .metric_store import MetricStore
 from .pool import Pool
@@ -166,6 +167,7 @@ class Session:
         except PoolStartError as exc:
             raise PoolStartError(f"{exc}; {before}") from None
         say(done.line())
+        say_gpu_notes(pool)
 
     def _let_go(self, pool: Pool, size: int) -> str:
         """Stop ``pool`` to make way for one of ``size`` ranks; what it held."""
@@ -189,6 +191,15 @@ class Session:
                 raise PoolStartError(f"{lost}; the new one failed: {exc}") from None
             raise
         say(f"started {_ranks(pool.world_size)} in {time.perf_counter() - t0:.1f} s")
+        say_gpu_notes(pool)
+
+
+def say_gpu_notes(pool: Pool) -> None:
+    """Say now, not with the next cell, that the ranks share GPUs (:func:`gpu_notes`)."""
+    for note in gpu_notes(pool):
+        if note in pool.notes:
+            pool.notes.remove(note)
+            say(note)
 
 
 _DEFAULTS = {

@@ -136,6 +136,8 @@ class Worker:
         pool's re-form says its new size."""
         if msg.world_size and msg.world_size != self.world_size:
             self._resize(msg.world_size)
+        if msg.backend:  # the notebook's choice at this size (gpus.pool_plan)
+            os.environ["NBDDP_BACKEND"] = msg.backend
         try:
             self.group.reform(msg.generation)
         except Exception as exc:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from . import protocol as P
-from .ddp import DDPContext, default_backend
+from .ddp import DDPContext
 
 __all__ = ["GroupKeeper", "layout", "open_sockets", "shut_down_sockets"]
 
@@ -273,8 +273,9 @@ class GroupKeeper:
     def _context(self, store: dist.Store | None, fresh: bool) -> DDPContext:
         env = os.environ
         timeout, seed = env.get("NBDDP_PG_TIMEOUT"), env.get("NBDDP_SEED")
-        return DDPContext(
-            env.get("NBDDP_BACKEND") or default_backend(env.get("NBDDP_DEVICE")),
+        gpu = env.get("NBDDP_GPU")
+        return DDPContext(  # backend and GPU as the notebook chose them (gpus.pool_plan)
+            env.get("NBDDP_BACKEND") or None,
             store=store,
             rank=self.rank,
             world_size=self.world_size,
@@ -283,4 +284,5 @@ class GroupKeeper:
             seed=int(seed) if seed and not fresh else None,  # seeded at start, not re-forms
             groups=env.get("NBDDP_GROUPS"),
             mesh=env.get("NBDDP_MESH"),
+            gpu=int(gpu) if gpu else None,
         )
