@@ -145,7 +145,7 @@ def test_more_ranks_than_gpus_share_them_and_the_running_pool_keeps_its_state(ca
             "(dist.get_backend(), str(device), torch.cuda.current_device())"
         )
         assert pool.execute(where) == [("gloo", f"cuda:{r % g}", r % g) for r in range(g + 1)]
-        pids = list(pool.pids)
+        pids, resized = list(pool.pids), namespace_digests(pool)  # (the cell bound `dist`)
         result = sh.run_cell(f"%ddp start -n {g + 1} --backend nccl")
         assert not result.success
         assert "--backend nccl needs a GPU per rank" in str(result.error_in_exec)
