@@ -757,19 +757,40 @@ def test_sigterm_stops_a_pool_whose_cell_does_not_come_back_and_says_so():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["stop by name", "idle timeout"])
-def test_a_stop_or_the_idle_timeout_does_not_wait_for_a_running_cell(how):
+def test_a_stop_by_name_does_not_wait_for_a_running_cell():
     pool = detached_client.start("busy", 2, grace=1.0, idle_timeout=2.0)
     family = DetachedFamily("busy")
     try:
         events = pool.run("import time\nprint('sleeping', flush=True)\ntime.sleep(300)")
         first_output(events)
         family.record()
-        if how == "stop by name":  # from a kernel not connected to it: it takes over
-            assert detached_client.stop("busy") == "its running cell was interrupted"
-        else:
-            pool.disconnect()
+        # from a kernel not connected to it: it takes over
+        assert detached_client.stop("busy") == "its running cell was interrupted"
         assert family.alive(timeout=60) == []  # long before the cell's 300 s
+        assert family.folders_left() == []
+    finally:
+        with contextlib.suppress(NbddpError):
+            pool.disconnect()
+        family.clean()
+
+
+@pytest.mark.timeout(120)
+def test_the_idle_timeout_lets_a_running_cell_finish_then_stops_the_pool():
+    """A training left running after its kernel went is work, not idleness: the idle
+    timeout counts from the cell's end, not from the kernel's departure."""
+    pool = detached_client.start("train", 2, grace=1.0, idle_timeout=2.0)
+    family = DetachedFamily("train")
+    try:
+        cell = "import time\nprint('training', flush=True)\ntime.sleep(6)\ndone_training = 1"
+        first_output(pool.run(cell))
+        family.record()
+        t0 = time.monotonic()
+        pool.disconnect()
+        time.sleep(4.0)  # twice the idle timeout, the cell still running
+        assert "train" in [p["name"] for p in detached_client.listing()]
+        assert family.alive(timeout=0) != []
+        assert family.alive(timeout=60) == []  # then it stops by itself
+        assert time.monotonic() - t0 > 6.0  # not before the cell ended
         assert family.folders_left() == []
     finally:
         with contextlib.suppress(NbddpError):

@@ -65,6 +65,7 @@ class Supervisor:
         self.pool.hub.before_wait = self._flush
         self.running: int | None = None  # the request id of the cell that runs
         self.running_since: float | None = None
+        self.quiet_since = time.monotonic()  # the last cell's end (a cell is not idleness)
         self.stopping: str | None = None  # why the pool stops (set from any thread)
         self.stopped_cell = ""  # what the stop did to a cell that ran
         self.stop_call: tuple | None = None  # (outbox, Call) a kernel waits on
@@ -117,6 +118,13 @@ class Supervisor:
             self.stopping = why
         self._wake.set()
 
+    def _idle(self, now: float) -> float:
+        """How long the pool has had no kernel and no cell: a training left running after
+        its kernel crashed is work, not idleness (``%ddp stop NAME`` ends it at once)."""
+        if self.running is not None:
+            return 0.0
+        return min(self.kernels.idle(now), now - self.quiet_since)
+
     def _watch(self) -> None:
         """Each second (or when woken): kernels that stopped reading, the idle timeout, and
         a stop: interrupt the cell at once, kill everything if it is not back in time."""
@@ -126,9 +134,10 @@ class Supervisor:
             self._wake.clear()
             now = time.monotonic()
             self.kernels.check(now)
-            idle = self.kernels.idle(now)
-            if self.idle_timeout and idle > self.idle_timeout:
-                self.ask_stop(f"no kernel connected for {self.idle_timeout:g} s")
+            if self.idle_timeout and self._idle(now) > self.idle_timeout:
+                self.ask_stop(
+                    f"no kernel connected and no cell running for {self.idle_timeout:g} s"
+                )
             if self.stopping is None:
                 continue
             if asked is None:
@@ -260,6 +269,7 @@ class Supervisor:
             self.pending.append(W.Failed(type(exc).__name__, str(exc), self.state(), request))
         finally:
             self.running = self.running_since = None
+            self.quiet_since = time.monotonic()
             self._flush()
 
     def _end(self, end: P.CellEnd) -> P.CellEnd:
