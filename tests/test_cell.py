@@ -81,6 +81,7 @@ class FakePool:
         self.notes: list[str] = []
         self.last_stacks: dict = {}
         self.mesh = self.groups = None
+        self.world_size, self.backend, self.device, self.gpus = n, None, None, None
         self.on_death, self.attached = "restart", False  # (replacing: test_replace.py)
         self.shm_folder = None
         self.procs = FakeProcs()
