@@ -32,6 +32,9 @@ class FakePool:
     def names_on(self, ranks=None) -> frozenset[str]:
         return self.on_ranks
 
+    def ready(self) -> None:
+        self.calls.append(("ready", {}))
+
     def run(self, code: str, **kwargs):
         self.calls.append((code, kwargs))
         ranks = kwargs.get("ranks") or list(range(self.world_size))
