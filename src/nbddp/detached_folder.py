@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import shutil
 import tempfile
 
-from .private import sweep
+from .private import locked, sweep
 
 __all__ = ["LOCK", "held", "make", "remove_if_dead"]
 
@@ -39,13 +38,7 @@ class Taken(Exception):
 def _lock(path: str, create: bool = False) -> int | None:
     """An open descriptor of ``path`` locked by us; None if someone else holds it."""
     flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
+    return locked(os.open(path, flags, 0o600))
 
 
 def held(folder: str) -> bool:

@@ -31,6 +31,7 @@ __all__ = [
     "checked_folder",
     "hold",
     "is_private_folder",
+    "locked",
     "make_folder",
     "open_private",
     "private_folder",
@@ -217,7 +218,12 @@ def write_token_file(path: str, pin: str | None = None) -> TokenFile:
 def hold(folder: str) -> int | None:
     """Lock ``folder`` (flock) for as long as this process (or a child it forks) lives:
     :func:`remove_if_unheld` leaves it alone meanwhile. The lock's fd; None if held."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    return locked(os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW))
+
+
+def locked(fd: int) -> int | None:
+    """``fd`` with an exclusive flock taken at once; None (``fd`` closed) if another
+    process holds one."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
