@@ -1,11 +1,35 @@
-"""Shared fixtures: real pools (started once per session where a test allows it)."""
+"""Shared fixtures: real pools (started once per session where a test allows it).
+
+Every test not marked ``cuda`` runs as on a machine without a GPU, and the ``cuda`` tests
+run last (tests/cpu_machine.py says why and how), so ``pytest`` passes as it is on a CPU
+machine and on a GPU machine alike.
+"""
 
 from __future__ import annotations
 
+import os
+
+# before any CUDA probe: torch.cuda.is_available() asks NVML instead of initialising the
+# CUDA driver in this process, which would break the CUDA probe of a rank forked from it
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
 import pytest
 
+from cpu_machine import CpuMachine, cuda_last, is_cuda
 from helpers import healthy
 from nbddp import Pool
+
+MACHINE = CpuMachine()
+
+
+def pytest_collection_modifyitems(items) -> None:
+    items[:] = cuda_last(items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    """Before the test's fixtures: no GPU for a test not marked ``cuda``."""
+    MACHINE.use(cpu=not is_cuda(item))
 
 
 @pytest.fixture(scope="session")

@@ -4,14 +4,16 @@ faked in this (the notebook's) process; tests/test_cuda.py runs the real thing."
 
 from __future__ import annotations
 
+import os
 import queue
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from cpu_machine import CpuMachine, cuda_last, is_cuda
 from nbddp.ddp import DDPContext, default_backend
-from nbddp.gpus import devices_line, gpu_notes, plan, pool_plan
+from nbddp.gpus import GpuPlan, devices_line, gpu_notes, plan, pool_plan
 from nbddp.layout import check_pool
 from nbddp.processes import rank_env
 from nbddp.session import say_gpu_notes
@@ -178,3 +180,48 @@ def test_the_dashboard_header_says_each_ranks_device():
     assert devices_line([f"cuda:{r % 2}" for r in range(4)]) == "cuda:0 x2, cuda:1 x2"
     assert devices_line([f"cuda:{r % 4}" for r in range(8)]) == "4 devices, 2 ranks each"
     assert devices_line([f"cuda:{r}" for r in range(8)]) == "8 devices"
+
+
+# ------------------------------------------- the suite on a GPU machine (tests/cpu_machine.py)
+
+
+def test_the_tests_not_marked_cuda_run_as_on_a_cpu_machine(pool):
+    """conftest hides any GPU from them, here and in every process they start."""
+    assert (torch.cuda.is_available(), torch.cuda.device_count()) == (False, 0)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    code = (
+        "import os, torch.distributed as dist\n"
+        "(os.environ.get('CUDA_VISIBLE_DEVICES'), torch.cuda.device_count(), str(device),\n"
+        " dist.get_backend())"
+    )
+    assert pool.execute(code) == [("", 0, "cpu", "gloo")] * pool.world_size
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_on_a_one_gpu_machine_the_cpu_tests_still_get_cpu_ranks(gpus, monkeypatch, n):
+    """A one-GPU machine, simulated: the switch conftest uses hides the GPU (a pool plans
+    CPU ranks over gloo, its ranks see no GPU, NCCL is refused) and gives it back for a
+    ``cuda`` test (the ranks share it)."""
+    gpus(1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    machine = CpuMachine()
+    machine.use(cpu=True)
+    try:
+        assert pool_plan(fake_pool(n)) == GpuPlan("gloo")
+        assert {rank_env(fake_pool(n), r)["CUDA_VISIBLE_DEVICES"] for r in range(n)} == {""}
+        with pytest.raises(ValueError, match="none is visible here"):
+            check_pool(n, backend="nccl")
+    finally:
+        machine.use(cpu=False)
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    assert pool_plan(fake_pool(n)) == GpuPlan("gloo", (0,) * n, None, plan(n, count=1).note)
+
+
+def test_the_cuda_tests_run_after_the_others(request):
+    """CUDA initialised in this process by a ``cuda`` test cannot refuse a later CPU
+    test's ``fork`` pool: there is none."""
+    cuda = SimpleNamespace(get_closest_marker=lambda name: name == "cuda" or None)
+    cpu = SimpleNamespace(get_closest_marker=lambda name: None)
+    assert cuda_last([cuda, cpu, cuda, cpu]) == [cpu, cpu, cuda, cuda]
+    marks = [is_cuda(item) for item in request.session.items]
+    assert marks == sorted(marks)
