@@ -1,4 +1,6 @@
-"""The GPU paths (NCCL, CUDA tensors). Skipped without CUDA; run them on a GPU machine."""
+"""The GPU paths (NCCL, CUDA tensors). Skipped without CUDA; run them on a GPU machine
+(``bash scripts/gpu_check.sh``). On one GPU the NCCL tests run at one rank; ranks sharing
+a GPU are in test_cuda_shared.py, a real kernel's in test_cuda_kernel.py."""
 
 from __future__ import annotations
 
@@ -161,92 +163,3 @@ def test_more_ranks_than_gpus_share_them_and_the_running_pool_keeps_its_state(ca
 def without_size(digest: dict) -> dict:
     """A rank's digest but ``world_size``, which follows a resize."""
     return {k: v for k, v in digest.items() if k != "world_size"}
-
-
-SHARING = (2, 4, 8)  # ranks sharing one GPU
-
-
-@pytest.fixture(scope="module", params=SHARING, ids=[f"{n}ranks" for n in SHARING])
-def sharing_pool(request):
-    """``n`` ranks on GPU 0: by default on a one-GPU machine, by ``--gpus 0,0,..`` else;
-    (pool, the notes it said when it started)."""
-    n = request.param
-    options = {} if torch.cuda.device_count() == 1 else {"gpus": [0] * n}
-    with Pool(n, **options) as pool:
-        yield pool, pool.take_notes()
-
-
-def test_ranks_sharing_a_gpu_use_gloo_and_cuda_0(sharing_pool):
-    pool, notes = sharing_pool
-    n = pool.world_size
-    assert notes.count(f"{n} ranks share 1 GPU: gloo, since NCCL needs a GPU per rank") == 1
-    code = (
-        "import os, torch.distributed as dist\n"
-        "t = torch.ones(1024, device=device) * (rank + 1)\n"
-        "dist.all_reduce(t)\n"
-        "(dist.get_backend(), str(device), torch.cuda.current_device(), str(t.device),\n"
-        " t[0].item(), t[-1].item(), os.environ['NBDDP_GPU'])"
-    )
-    total = float(n * (n + 1) // 2)
-    assert pool.execute(code) == [("gloo", "cuda:0", 0, "cuda:0", total, total, "0")] * n
-    assert pool.devices == ["cuda:0"] * n
-    assert [s.device for s in pool.status()] == ["cuda:0"] * n
-
-
-def test_a_ddp_step_runs_on_a_shared_gpu(sharing_pool):
-    pool, _ = sharing_pool
-    code = (
-        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
-        "torch.manual_seed(rank)\n"
-        "ddp_model = DDP(torch.nn.Linear(8, 4).to(device), device_ids=[device])\n"
-        "ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.1)\n"
-        "x = torch.randn(16, 8, device=device) * (rank + 1)\n"
-        "ddp_model(x).pow(2).sum().backward()\nddp_opt.step()\n"
-        "(str(next(ddp_model.parameters()).device),\n"
-        " [p.detach().cpu().tolist() for p in ddp_model.parameters()])"
-    )
-    values = pool.execute(code)
-    assert {v[0] for v in values} == {"cuda:0"}
-    assert all(v[1] == values[0][1] for v in values)  # the same weights on every rank
-
-
-@pytest.mark.timeout(180)
-def test_a_rank_killed_on_a_shared_gpu_is_replaced_there_and_the_others_keep_theirs(
-    sharing_pool,
-):
-    from helpers import namespace_digests
-
-    pool, _ = sharing_pool
-    n = pool.world_size
-    bad = n - 1
-    pool.execute(
-        "import os, signal, torch.distributed as dist\n"
-        "kept = torch.full((1000,), float(rank), device=device)\n"
-        "state = {'w': torch.randn(64, 64, device=device), 'step': rank}"
-    )
-    others = [r for r in range(n) if r != bad]
-    pids, before = list(pool.pids), namespace_digests(pool, others)
-    code = (
-        "def _die():\n"
-        "    t = torch.ones(4, device=device)\n"
-        "    dist.all_reduce(t)\n"
-        f"    if rank == {bad}:\n"
-        "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    dist.all_reduce(t)\n"
-        "_die()"
-    )
-    _, _, end = collect(pool.run(code))
-    with pytest.raises(Exception, match=rf"rank {bad} died \(killed by SIGKILL\)"):
-        raise_for_end(end)
-    assert [pool.pids[r] for r in others] == [pids[r] for r in others]
-    assert pool.pids[bad] != pids[bad]
-    assert namespace_digests(pool, others) == before
-    check = (
-        "import torch.distributed as dist\nt = torch.ones(1, device=device)\n"
-        "dist.all_reduce(t)\n"
-        "(str(device), torch.cuda.current_device(), dist.get_backend(), t.item(),\n"
-        " str(kept.device) if 'kept' in globals() else None)"
-    )
-    assert pool.execute(check) == [
-        ("cuda:0", 0, "gloo", float(n), None if r == bad else "cuda:0") for r in range(n)
-    ]

@@ -154,19 +154,21 @@ def test_transformers_trainer_trains_a_tiny_model_with_ddp(pool):
         assert run == [(2, r, 3, "ParallelMode.DISTRIBUTED") for r in (0, 1)]
 
 
+# on the rank's device: tests/test_cuda_shared.py runs these two on ranks sharing a GPU
 FSDP2 = """
 import torch
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.device_mesh import init_device_mesh
-dp = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+dp = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+net.to(device)
 for layer in (net[0], net[2]):
     fully_shard(layer, mesh=dp)
 fully_shard(net, mesh=dp)
 opt = torch.optim.SGD(net.parameters(), lr=0.1)
 for _ in range(3):
-    loss = net(torch.randn(8, 16)).pow(2).mean()
+    loss = net(torch.randn(8, 16, device=device)).pow(2).mean()
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -179,12 +181,13 @@ import torch
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 from torch.distributed.device_mesh import init_device_mesh
-tp = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+tp = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
 torch.manual_seed(0)
 mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
-reference = mlp(torch.ones(2, 8)).detach()
+mlp.to(device)
+reference = mlp(torch.ones(2, 8, device=device)).detach()
 parallelize_module(mlp, tp, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-y = mlp(torch.ones(2, 8))
+y = mlp(torch.ones(2, 8, device=device))
 (tuple(mlp[0].weight.to_local().shape), bool(torch.allclose(y, reference, atol=1e-5)))
 """
 
