@@ -9,6 +9,8 @@
 3. ``%ddp restart`` to first result.
 
 Needs the ``bench`` extra (ipyparallel); without it, step 1 reports nbddp alone.
+``--ranks 1 2 4 --round-trip-only``: step 1 alone at each size (on a GPU machine the
+pool's ranks are on the GPU: NCCL at one rank, sharing it over gloo beyond).
 """
 
 from __future__ import annotations
@@ -49,27 +51,35 @@ def round_trips(n: int, repeat: int) -> dict:
     shell = InteractiveShell.instance()
     shell.run_cell("%load_ext nbddp")
     shell.run_cell(f"%ddp start -n {n}")
-    magics = shell.magics_manager.registry["DDPMagics"]
-    pool = magics.pool
-    out = {
+    try:
+        return {**nbddp_round_trips(shell, repeat), **px_round_trip(shell, n, repeat)}
+    finally:
+        shell.run_cell("%ddp stop")
+
+
+def nbddp_round_trips(shell, repeat: int) -> dict:
+    pool = shell.magics_manager.registry["DDPMagics"].pool
+    return {
         "nbddp_pool_execute_ms": median_ms(lambda: pool.execute("pass"), repeat),
         "nbddp_magic_ms": median_ms(lambda: shell.run_cell("%%ddp --quiet\npass"), repeat),
     }
+
+
+def px_round_trip(shell, n: int, repeat: int) -> dict:
     try:
         import ipyparallel as ipp
     except ImportError:
         print("ipyparallel is not installed (pip install -e '.[bench]'): no %%px figure")
-        return out
+        return {}
     cluster = ipp.Cluster(n=n, controller_args=["--HeartMonitor.period=500"], log_level=40)
     rc = cluster.start_and_connect_sync(activate=True)
     try:
         rc.wait_for_engines(n, timeout=120)
-        out["ipyparallel_px_ms"] = median_ms(lambda: shell.run_cell("%%px --block\npass"), repeat)
+        px = median_ms(lambda: shell.run_cell("%%px --block\npass"), repeat)
+        return {"ipyparallel_px_ms": px}
     finally:
         rc.close()
         cluster.stop_cluster_sync()
-    shell.run_cell("%ddp stop")
-    return out
 
 
 def restart_to_first_result(n: int, repeat: int) -> float:
@@ -128,38 +138,63 @@ def floor(n: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[4])
     parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--round-trip-only", action="store_true", help="step 1 alone")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
-    n = args.ranks
+    every = {n: sized(n, args.repeat, args.round_trip_only) for n in args.ranks}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(every[args.ranks[0]] if len(every) == 1 else every, f, indent=2)
 
-    results: dict = {"ranks": n, "cpus": os.cpu_count()}
-    results.update(round_trips(n, args.repeat))
-    cold = [cold_start(n) for _ in range(3)]
-    floors = [floor(n) for _ in range(3)]
-    results["cold_start_s"] = statistics.median(cold)
-    results["floor_s"] = statistics.median(floors)
-    results["restart_ms"] = restart_to_first_result(n, 10)
 
-    print(f"\nnbddp core benchmarks, {n} ranks, {os.cpu_count()} CPUs")
-    rows = [
+def sized(n: int, repeat: int, round_trip_only: bool) -> dict:
+    """Every figure at ``n`` ranks, printed as a table."""
+    results: dict = {"ranks": n, "cpus": os.cpu_count(), "device": device_name()}
+    results.update(round_trips(n, repeat))
+    if not round_trip_only:
+        cold = [cold_start(n) for _ in range(3)]
+        floors = [floor(n) for _ in range(3)]
+        results["cold_start_s"] = statistics.median(cold)
+        results["floor_s"] = statistics.median(floors)
+        results["restart_ms"] = restart_to_first_result(n, 10)
+    print(f"\nnbddp core benchmarks, {n} ranks, {results['device']}")
+    for name, value, note in rows(results):
+        print(f"  {name:<36} {value:>10}   {note}")
+    return results
+
+
+def device_name() -> str:
+    """Where the ranks run: this machine's CPUs, or the GPUs the pool puts them on."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"{os.cpu_count()} CPUs"
+    return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+
+
+def rows(results: dict) -> list[tuple[str, str, str]]:
+    out = [
         ("trivial cell, Pool.execute", f"{results['nbddp_pool_execute_ms']:.2f} ms", ""),
         ("trivial cell, %%ddp --quiet", f"{results['nbddp_magic_ms']:.2f} ms", ""),
     ]
     if "ipyparallel_px_ms" in results:
         ratio = results["nbddp_magic_ms"] / results["ipyparallel_px_ms"]
         results["ratio_vs_px"] = ratio
-        rows.append(
+        out.append(
             (
                 "trivial cell, ipyparallel %%px",
                 f"{results['ipyparallel_px_ms']:.2f} ms",
                 f"nbddp/px = {ratio:.3f} (target <= 0.2)",
             )
         )
+    if "cold_start_s" not in results:
+        return out
     ratio = results["cold_start_s"] / results["floor_s"]
     results["ratio_cold_vs_floor"] = ratio
-    rows += [
+    return [
+        *out,
         (
             "cold start to first result",
             f"{results['cold_start_s']:.2f} s",
@@ -168,11 +203,6 @@ def main() -> None:
         ("floor: N x python+torch+gloo init", f"{results['floor_s']:.2f} s", ""),
         ("restart to first result", f"{results['restart_ms']:.0f} ms", "target <= 500 ms"),
     ]
-    for name, value, note in rows:
-        print(f"  {name:<36} {value:>10}   {note}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":
