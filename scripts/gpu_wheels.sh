@@ -5,7 +5,8 @@
 # .whl/ (ignored by git: .git/info/exclude). Run here, where pip reaches PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> "$(git rev-parse --git-common-dir)/info/exclude"
+exclude="$(git rev-parse --git-common-dir)/info/exclude"
+grep -qx '/.whl/' "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
 NAMES="ipython ipython_pygments_lexers ipykernel ipywidgets widgetsnbextension jupyterlab_widgets
 anywidget psygnal cryptography cffi pycparser jupyter_client jupyter_core pyzmq tornado traitlets
 comm debugpy nest_asyncio matplotlib-inline decorator jedi parso pexpect ptyprocess
