@@ -15,6 +15,7 @@ from html import escape
 
 from .fold import rank_set
 from .metric_store import Key, Line
+from .theme import CHART_IMAGE_FILTER, ink
 
 __all__ = ["LINES", "chart_svg", "charts_html", "outliers", "summary_line"]
 
@@ -28,6 +29,12 @@ COLOURS = (  # matplotlib's tab10 without its red: red is a failed rank's, an ou
     "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
 )  # fmt: skip
 BAND, MEDIAN, OUTLIER = "#9ecae1", "#1f4e79", "#d62728"
+MEDIAN_INK = ink(MEDIAN)  # darker on a light theme, lighter on a dark one (nbddp.theme)
+FAINT = "fill-opacity='0.75'"  # secondary text: the ink, fainter
+# an image of the chart cannot see the page: dark ink, each label on a halo of paper
+IMAGE_STYLE = (
+    "<style>text{paint-order:stroke;stroke:#fff;stroke-width:3px;stroke-linejoin:round}</style>"
+)
 
 
 def _fmt(value: float) -> str:
@@ -161,13 +168,15 @@ def _outlying(grid: _Grid, lasts: dict[int, float], most: int = 3) -> list[int]:
     return sorted(far, key=lambda r: -scores[r])[:most]
 
 
-def chart_svg(key: Key, lines: dict[int, Line], show_run: bool = True) -> str:
-    """One metric's chart: a line per rank, or a band with the outliers named."""
+def chart_svg(key: Key, lines: dict[int, Line], show_run: bool = True, image: bool = False) -> str:
+    """One metric's chart: a line per rank, or a band with the outliers named. Its ink is
+    the page's text colour, on the page's background; ``image``: an SVG document of its
+    own (it cannot see the page), dark ink on transparent paper, labels on halos."""
     run, name = key
     lasts = {r: p[1] for r, line in sorted(lines.items()) if (p := line.last()) is not None}
     if not lasts:
         body, legend = (
-            f"<text x='{LEFT}' y='{HEIGHT // 2}' fill='#888'>no finite values yet</text>",
+            f"<text x='{LEFT}' y='{HEIGHT // 2}' {FAINT}>no finite values yet</text>",
             [],
         )
     elif len(lasts) <= LINES:
@@ -176,11 +185,13 @@ def chart_svg(key: Key, lines: dict[int, Line], show_run: bool = True) -> str:
         body, legend = _band_body({r: lines[r] for r in lasts}, lasts)
     keys, rows = _legend(legend)
     height = HEIGHT + LEGEND_ROW * (rows - 1)
-    title = escape(name) + (f" <tspan fill='#888'>({escape(run)})</tspan>" if show_run else "")
+    title = escape(name) + (f" <tspan {FAINT}>({escape(run)})</tspan>" if show_run else "")
     return (
         f"<svg class='nbddp-chart' data-metric='{escape(name, quote=True)}' "
         f"xmlns='http://www.w3.org/2000/svg' width='{WIDTH}' height='{height}' "
-        f"viewBox='0 0 {WIDTH} {height}' style='font:11px sans-serif;background:#fff'>"
+        f"viewBox='0 0 {WIDTH} {height}' fill='currentColor' "
+        f"style='font:11px sans-serif{';color:#1a1a1a' if image else ''}'>"
+        f"{IMAGE_STYLE if image else ''}"
         f"<text x='{LEFT}' y='14' font-weight='bold'>{title}</text>{body}{keys}</svg>"
     )
 
@@ -210,13 +221,13 @@ def _band_body(lines: dict[int, Line], lasts: dict[int, float]) -> tuple[str, Le
     parts = [
         _axes(frame),
         f"<polygon class='nbddp-band' points='{frame.path(upper + lower)}' fill='{BAND}' "
-        "fill-opacity='0.6' stroke='none'/>",
+        "fill-opacity='0.45' stroke='none'/>",
         _polyline(frame, [(s, m) for s, _lo, m, _hi in band], MEDIAN, "median", "nbddp-median"),
     ]
     for rank in far:
         parts.append(_polyline(frame, far_points[rank], OUTLIER, f"rank {rank}", "nbddp-outlier"))
     others = [r for r in lines if r not in far]
-    legend = [(MEDIAN, f"median of ranks {rank_set(others)}, band min-max")]
+    legend = [(MEDIAN_INK, f"median of ranks {rank_set(others)}, band min-max")]
     if far:
         shown = ", ".join(f"{r} ({_fmt(lasts[r])})" for r in far)
         legend.append((OUTLIER, f"outlying: rank{'s' if len(far) > 1 else ''} {shown}"))
@@ -224,8 +235,10 @@ def _band_body(lines: dict[int, Line], lasts: dict[int, float]) -> tuple[str, Le
 
 
 def _polyline(frame: _Frame, points, colour: str, label: str, cls: str = "nbddp-line") -> str:
+    # the median's colour follows the theme (where color-mix is known; else the attribute's)
+    paint = f"style='stroke:{MEDIAN_INK}' " if colour == MEDIAN else ""
     return (
-        f"<polyline class='{cls}' data-label='{escape(label, quote=True)}' fill='none' "
+        f"<polyline class='{cls}' {paint}data-label='{escape(label, quote=True)}' fill='none' "
         f"stroke='{colour}' stroke-width='1.3' points='{frame.path(points)}'>"
         f"<title>{escape(label)}</title></polyline>"
     )
@@ -237,13 +250,13 @@ def _axes(frame: _Frame) -> str:
     x1 = frame.x0 + frame.xspan
     return (
         f"<rect x='{left}' y='{top}' width='{right - left}' height='{bottom - top}' "
-        "fill='none' stroke='#ccc'/>"
+        "fill='none' stroke='currentColor' stroke-opacity='0.3'/>"
         f"<text x='{left - 4}' y='{top + 8}' text-anchor='end'>{_fmt(frame.y1)}</text>"
         f"<text x='{left - 4}' y='{bottom}' text-anchor='end'>{_fmt(frame.y0)}</text>"
         f"<text x='{left}' y='{bottom + 13}'>{int(frame.x0)}</text>"
         f"<text x='{right}' y='{bottom + 13}' text-anchor='end'>{int(x1)}</text>"
         f"<text x='{(left + right) / 2:.0f}' y='{bottom + 13}' text-anchor='middle' "
-        "fill='#888'>step</text>"
+        f"{FAINT}>step</text>"
     )
 
 
@@ -255,7 +268,7 @@ def _legend(entries: Legend) -> tuple[str, int]:
         if x > LEFT and x + width > WIDTH:
             x, y, rows = LEFT, y + LEGEND_ROW, rows + 1
         out.append(
-            f"<rect x='{x}' y='{y - 8}' width='10' height='3' fill='{colour}'/>"
+            f"<rect x='{x}' y='{y - 8}' width='10' height='3' style='fill:{colour}'/>"
             f"<text x='{x + 13}' y='{y}'>{escape(text)}</text>"
         )
         x += width
@@ -273,11 +286,12 @@ def charts_html(charts: list[tuple[Key, dict[int, Line]]], own: str, images: boo
         return ""
     parts = []
     for key, lines in charts:
-        svg = chart_svg(key, lines, show_run=key[0] != own)
+        svg = chart_svg(key, lines, show_run=key[0] != own, image=images)
         if images:
             alt = summary_line(key, lines, own) or key[1]
             svg = (
                 f"<img class='nbddp-chart' data-metric='{escape(key[1], quote=True)}' "
+                f"style='filter:{CHART_IMAGE_FILTER}' "
                 f"alt='{escape(alt, quote=True)}' "
                 f"src='data:image/svg+xml;base64,{base64.b64encode(svg.encode()).decode()}'/>"
             )

@@ -8,28 +8,13 @@ import html
 from collections import Counter, deque
 
 from . import protocol as P
+from . import theme as T
 from .fold import Group, rank_set
 
 __all__ = ["FAILED_STATES", "STATE_COLOURS", "RankView"]
 
-STATE_COLOURS = {
-    "queued": "#888888",
-    "running": "#1f6fb4",
-    "done": "#2a8a2a",
-    "failed": "#c62828",
-    "interrupted": "#d9822b",
-    "freed": "#d9822b",
-    "dead": "#7f0000",
-    "replaced": "#7f0000",  # dead, and a new process took its place
-    "waiting": "#b8860b",
-    "debugging": "#6a1b9a",
-}
+STATE_COLOURS = T.STATE_HUES  # each state's hue (shown mixed with the theme's text)
 FAILED_STATES = ("failed", "dead", "replaced")
-
-
-def _colour(state_text: str) -> str:
-    """The colour of a state as shown: ``waiting in all_reduce (3 s)``, ``dead: new process``."""
-    return STATE_COLOURS.get(state_text.split()[0].rstrip(":"), "#888888")
 
 
 class RankView:
@@ -94,7 +79,7 @@ def summary_line(views: Views, now: float) -> str:
     """Counts per state, the slowest ranks and the one furthest behind."""
     counts = Counter(v.state_text(now).split(" (")[0] for v in views.values())
     shown = " · ".join(
-        f"<span style='color:{_colour(s)};font-weight:bold'>{n} {esc(s)}</span>"
+        f"<span style='color:{T.state_colour(s)};font-weight:bold'>{n} {esc(s)}</span>"
         for s, n in sorted(counts.items(), key=lambda sn: -sn[1])
     )
     slow = slowest(views, now, 3)
@@ -138,10 +123,10 @@ def table_html(views: Views, ranks: list[int], hosts: dict[int, str], now: float
 
 def _row_html(rank: int, view: RankView, host: str | None, now: float) -> str:
     shown = view.state_text(now)
-    colour = _colour(shown)
-    style = "background:#fde7e7;" if view.state in FAILED_STATES else ""
+    colour = T.state_colour(shown)
+    style = f"background:{T.FAILED_ROW};" if view.state in FAILED_STATES else ""
     elapsed = view.elapsed(now)
-    host_html = f" <span style='color:#888'>{esc(host)}</span>" if host else ""
+    host_html = f" <span style='color:{T.MUTED}'>{esc(host)}</span>" if host else ""
     return (
         f"<tr class='nbddp-row nbddp-{view.state}' data-rank='{rank}' style='{style}'>"
         f"<td style='padding:1px 8px'>rank {rank}{host_html}</td>"
@@ -149,7 +134,7 @@ def _row_html(rank: int, view: RankView, host: str | None, now: float) -> str:
         "<td style='padding:1px 8px;text-align:right'>"
         f"{'' if elapsed is None else f'{elapsed:.1f} s'}</td>"
         f"<td style='padding:1px 8px'>{progress_html(view.progress)}</td>"
-        "<td style='padding:1px 8px;font-family:monospace;max-width:60ch;"
+        f"<td style='padding:1px 8px;{T.CODE_FONT};max-width:60ch;"
         "overflow:hidden;text-overflow:ellipsis;white-space:nowrap'>"
         f"{esc(view.last[-300:])}</td></tr>"
     )
@@ -161,9 +146,9 @@ def progress_html(p: P.RankProgress | None) -> str:
     if p.total:
         pct = min(100.0, 100.0 * p.done / p.total)
         bar = (
-            "<span style='display:inline-block;width:90px;height:8px;background:#e4e4e4;"
+            f"<span style='display:inline-block;width:90px;height:8px;background:{T.TRACK};"
             f"vertical-align:middle'><span class='nbddp-bar' style='display:block;"
-            f"width:{pct:.0f}%;height:8px;background:#1f6fb4'></span></span> "
+            f"width:{pct:.0f}%;height:8px;background:{T.BAR}'></span></span> "
         )
         count = f"{p.done}/{p.total}"
     else:
@@ -177,7 +162,7 @@ def pane_html(lines: list[Group], dropped: int, shown: int, labelled: bool) -> s
     hidden = dropped + max(0, len(lines) - shown)
     body = "".join(
         (
-            f"<span style='color:#b71c1c'>{esc(text)}</span>\n"
+            f"<span style='color:{T.STDERR}'>{esc(text)}</span>\n"
             if g.stream == "stderr"
             else esc(text) + "\n"
         )
@@ -185,7 +170,8 @@ def pane_html(lines: list[Group], dropped: int, shown: int, labelled: bool) -> s
         for text in [f"[{rank_set(g.ranks)}] {g.text}" if labelled else g.text]
     )
     note = (
-        f"<div class='nbddp-dropped' style='color:#888'>… {hidden} earlier lines not shown</div>"
+        f"<div class='nbddp-dropped' style='color:{T.MUTED}'>"
+        f"… {hidden} earlier lines not shown</div>"
         if hidden
         else ""
     )
@@ -194,7 +180,7 @@ def pane_html(lines: list[Group], dropped: int, shown: int, labelled: bool) -> s
         "<div class='nbddp-pane' style='max-height:320px;overflow-y:auto;display:flex;"
         "flex-direction:column-reverse'><div>"
         + note
-        + "<pre style='margin:0;white-space:pre-wrap'>"
+        + f"<pre style='margin:0;white-space:pre-wrap;{T.CODE_FONT}'>"
         + body
         + "</pre></div></div>"
     )
