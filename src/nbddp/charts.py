@@ -10,6 +10,8 @@ notebooks, untrusted ones, nbviewer and GitHub show): no script, no external sty
 from __future__ import annotations
 
 import base64
+import itertools
+import math
 import statistics
 from html import escape
 
@@ -17,7 +19,7 @@ from .fold import rank_set
 from .metric_store import Key, Line
 from .theme import CHART_IMAGE_FILTER, ink
 
-__all__ = ["LINES", "chart_svg", "charts_html", "outliers", "summary_line"]
+__all__ = ["LINES", "chart_svg", "charts_html", "outliers", "summary_line", "ticks"]
 
 LINES = 8  # ranks drawn one line each; more draw a band
 BAND_BUCKETS = 200  # x positions of the band
@@ -49,6 +51,37 @@ def _fmt(value: float) -> str:
     return f"{value:.2g}"
 
 
+def ticks(low: float, high: float, most: int = 5) -> list[float]:
+    """Round values (1, 2, 2.5 or 5 times a power of ten) from ``low`` to ``high``, both
+    included, at most ``most`` and at least two where the range is wider than nothing:
+    the y axis' labels, which never fall outside the data (no ``-0.04157`` under a loss
+    that is never negative)."""
+    if not (math.isfinite(low) and math.isfinite(high)) or high <= low:
+        return [low] if math.isfinite(low) else []
+    raw = (high - low) / max(most - 1, 1)
+    power = 10 ** math.floor(math.log10(raw))
+    for factor in (1, 2, 2.5, 5, 10, 20):
+        step = factor * power
+        first, last = math.ceil(low / step - 1e-9), math.floor(high / step + 1e-9)
+        if last - first + 1 <= most:
+            break
+    values = [round(k * step, 12) for k in range(first, last + 1)]
+    return values if len(values) >= 2 else [low, high]
+
+
+def tick_label(value: float, values: list[float]) -> str:
+    """``value`` with as many decimals as its axis' step needs (0.25, 0.5, 0.75: two)."""
+    step = min((b - a for a, b in itertools.pairwise(values)), default=0)
+    if value == 0:
+        return "0"
+    if not step or abs(value) >= 1e4:
+        return _fmt(value)  # 20k, 1.2e+06
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
+    if round(step * 10**decimals, 6) % 1:  # 2.5 times a power of ten
+        decimals += 1
+    return f"{value:.{decimals}f}" if decimals <= 6 else _fmt(value)
+
+
 def outliers(lasts: dict[int, float], most: int = 3) -> list[int]:
     """The ranks whose latest value is far from the others' (a modified z-score over 3.5,
     median and median absolute deviation: robust to the outliers themselves), the
@@ -71,8 +104,10 @@ class _Frame:
         (self.x0, x1), (y0, y1) = xs, ys
         if y0 == y1:
             y0, y1 = y0 - max(abs(y0) * 0.05, 0.5), y1 + max(abs(y1) * 0.05, 0.5)
+        self.low, self.high = y0, y1  # the data's range: the y labels stay inside it
         pad = (y1 - y0) * 0.04
-        self.y0, self.y1 = y0 - pad, y1 + pad
+        # (no padding below zero for values that are never negative)
+        self.y0, self.y1 = (max(0.0, y0 - pad) if y0 >= 0 else y0 - pad), y1 + pad
         self.xspan = max(x1 - self.x0, 1)
         self.w, self.h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
 
@@ -113,14 +148,16 @@ class _Grid:
         self.x1 = max(int(s.max()) for s, _ in views if len(s))
         width = max((self.x1 - self.x0) / BAND_BUCKETS, 1e-12)
         grid = np.full((len(views), BAND_BUCKETS), np.nan)
+        self.reached = []  # each rank's last bucket
         for row, (steps, values) in enumerate(views):
             bucket = np.minimum(((steps - self.x0) / width).astype(np.int64), BAND_BUCKETS - 1)
+            self.reached.append(int(bucket.max()) if len(bucket) else -1)
             counts = np.bincount(bucket, minlength=BAND_BUCKETS)
             sums = np.bincount(bucket, weights=values, minlength=BAND_BUCKETS)
             seen = counts > 0
             grid[row, seen] = sums[seen] / counts[seen]
         cols = np.flatnonzero(np.isfinite(grid).any(axis=0))
-        self.grid = grid[:, cols]
+        self.grid, self.cols = grid[:, cols], cols
         # each bucket at its centre, the first and the last at the steps logged
         self.xs = np.clip(self.x0 + (cols + 0.5) * width, self.x0, self.x1)
         if len(cols):
@@ -130,9 +167,11 @@ class _Grid:
         """(step, lowest, median, highest) of the ranks but ``leave_out``, bucket by bucket."""
         import numpy as np
 
-        g = self.grid[[i for i, r in enumerate(self.ranks) if r not in leave_out]]
-        # where most ranks have come (live, the ranks ahead would narrow the band's edge)
-        cols = np.isfinite(g).sum(axis=0) * 2 >= len(g)
+        kept = [i for i, r in enumerate(self.ranks) if r not in leave_out]
+        g = self.grid[kept]
+        # only where every rank has come: live, the ranks ahead alone would make a median
+        # that dips (or jumps) at the right edge, read as a sudden change of the metric
+        cols = (self.cols <= min(self.reached[i] for i in kept)) & np.isfinite(g).any(axis=0)
         g, xs = g[:, cols], self.xs[cols]
         low, mid, high = np.nanmin(g, 0), np.nanmedian(g, 0), np.nanmax(g, 0)
         return list(zip(xs.tolist(), low.tolist(), mid.tolist(), high.tolist(), strict=True))
@@ -251,13 +290,27 @@ def _axes(frame: _Frame) -> str:
     return (
         f"<rect x='{left}' y='{top}' width='{right - left}' height='{bottom - top}' "
         "fill='none' stroke='currentColor' stroke-opacity='0.3'/>"
-        f"<text x='{left - 4}' y='{top + 8}' text-anchor='end'>{_fmt(frame.y1)}</text>"
-        f"<text x='{left - 4}' y='{bottom}' text-anchor='end'>{_fmt(frame.y0)}</text>"
-        f"<text x='{left}' y='{bottom + 13}'>{int(frame.x0)}</text>"
+        + _y_ticks(frame)
+        + f"<text x='{left}' y='{bottom + 13}'>{int(frame.x0)}</text>"
         f"<text x='{right}' y='{bottom + 13}' text-anchor='end'>{int(x1)}</text>"
         f"<text x='{(left + right) / 2:.0f}' y='{bottom + 13}' text-anchor='middle' "
         f"{FAINT}>step</text>"
     )
+
+
+def _y_ticks(frame: _Frame) -> str:
+    """The y axis' labels at round values inside the data's range, each with a faint rule."""
+    values = ticks(frame.low, frame.high)
+    parts = []
+    for value in values:
+        y = frame.y(value)
+        parts.append(
+            f"<line class='nbddp-tick' x1='{LEFT}' x2='{WIDTH - RIGHT}' y1='{y:.1f}' "
+            f"y2='{y:.1f}' stroke='currentColor' stroke-opacity='0.12'/>"
+            f"<text class='nbddp-tick' x='{LEFT - 4}' y='{y + 4:.1f}' text-anchor='end'>"
+            f"{tick_label(value, values)}</text>"
+        )
+    return "".join(parts)
 
 
 def _legend(entries: Legend) -> tuple[str, int]:
