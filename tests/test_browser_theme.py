@@ -20,6 +20,7 @@ import pytest
 
 from browser_kit import ARTIFACTS, SKIPS, notebook_root, playwright, readable
 from helpers import chromium, jupyter_server, open_notebook, run_all_cells, svg_of
+from nbddp.charts import WIDTH
 
 pytestmark = SKIPS
 
@@ -30,6 +31,8 @@ CELLS = [
     "for step in range(60):\n"
     "    nbddp.log_metrics({'loss': 1 / (1 + 0.1 * step + rank)}, step=step)\n"
     "print(f'hello from rank {rank}')\n"
+    "for i in range(40):\n"
+    "    print(f'line {i}')  # a log longer than its box\n"
     "print(f'a warning on rank {rank}', file=sys.stderr)\n"
     "time.sleep(4)  # the live dashboard is looked at meanwhile\n"
     "if rank == 2:\n"
@@ -89,6 +92,10 @@ def check_live(cell, where: str) -> None:
     readable(live.locator("svg.nbddp-chart text").first, f"{where}: the live chart's title")
     chart_bg = live.locator("svg.nbddp-chart").evaluate("e => getComputedStyle(e).backgroundColor")
     assert chart_bg == "rgba(0, 0, 0, 0)", f"{where}: the chart paints its own background"
+    # its size: its full size where the cell has room, else the cell's width
+    room = live.bounding_box()["width"]
+    width = live.locator("svg.nbddp-chart").bounding_box()["width"]
+    assert round(width) == min(WIDTH, round(room)), f"{where}: a chart {width} wide in {room}"
 
 
 def check_frozen(frozen, where: str, dark: bool) -> None:
@@ -107,6 +114,13 @@ def check_frozen(frozen, where: str, dark: bool) -> None:
     expect(own).to_have_attribute("open", "")
     readable(own.locator("pre span", has_text="a warning on rank 2"), f"{where}: a stderr line")
     readable(own.locator("summary"), f"{where}: a log's summary")
+    # the log opens at its top (it opened scrolled to its end, its first lines cut)
+    pane = own.locator(".nbddp-pane")
+    scroll = pane.evaluate("e => [e.scrollTop, e.scrollHeight > e.clientHeight]")
+    assert scroll == [0, True], f"{where}: the log's box opens scrolled: {scroll}"
+    # the rank labels align left, as the live ones (a front end's tables align right)
+    align = failed.locator("td").nth(0).evaluate("e => getComputedStyle(e).textAlign")
+    assert align == "left", f"{where}: the frozen rank labels align {align}"
     image = frozen.locator("img.nbddp-chart")
     expect(image).to_have_count(1)
     assert "background" not in svg_of(image.get_attribute("src"))  # transparent paper

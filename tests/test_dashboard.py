@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 
@@ -381,3 +382,37 @@ def test_a_dashboard_is_one_model_whatever_the_number_of_ranks():
         assert len(_instances) - before == 1
         d.close(P.CellEnd(1, tuple(range(n))))
         assert len(_instances) == before
+
+
+def test_a_tqdm_bar_on_stderr_is_progress_not_an_error_and_a_warning_stays_red():
+    """tqdm writes to stderr; its bar shows plain (a finished bar in red made a good cell
+    look failed), live and frozen; what else a rank writes to stderr stays red."""
+    d, _ = dashboard(ranks=(0,))
+    start(d, (0,))
+    bar = "train: 100%|##########| 10/10 [00:01<00:00,  9.81it/s]"
+    d.handle(P.Output(0, "stderr", f"{bar}\n"))
+    d.handle(P.Output(0, "stderr", "45it [00:01, 30.12it/s]\n"))  # tqdm with no total
+    d.handle(P.Output(0, "stderr", "UserWarning: careful\n"))
+    d.handle(P.RankState(0, "done"))
+    d.close(P.CellEnd(1, (0,)))
+    streams = {text: stream for _ranks, stream, text in d.widget.lines}
+    assert streams == {
+        bar: "progress",
+        "45it [00:01, 30.12it/s]": "progress",
+        "UserWarning: careful": "stderr",
+    }
+    html = d.frozen_bundle()["text/html"]
+    red = re.findall(r"<span style='color:[^']*'>([^<]*)</span>", html)
+    assert red == ["[0] UserWarning: careful", "UserWarning: careful"]  # all ranks', its own
+
+
+def test_a_frozen_log_opens_at_its_top_and_rank_labels_align_left():
+    """The frozen log is not scrolled to its end (its first lines were cut), and the rows'
+    cells say their alignment (a front end's tables align right: frozen labels did)."""
+    d, _ = dashboard(ranks=(0, 1))
+    start(d, (0, 1))
+    d.handle(P.Output(0, "stdout", "".join(f"line {i}\n" for i in range(100))))
+    d.close(P.CellEnd(1, (0, 1)))
+    html = d.frozen_bundle()["text/html"]
+    assert "column-reverse" not in html
+    assert "<td style='padding:1px 8px;text-align:left'>rank 0</td>" in html

@@ -857,3 +857,27 @@ def test_a_loss_that_is_never_negative_has_no_negative_label():
     labels = [e.text for e in by_class(root, "nbddp-tick") if e.tag == SVG + "text"]
     assert labels == ["0.2", "0.4", "0.6", "0.8", "1.0"]
     assert not [e.text for e in root.iter(SVG + "text") if e.text and e.text.startswith("-")]
+
+
+def test_a_finished_16_rank_cell_offers_the_log_of_the_rank_its_chart_names():
+    """Beyond OWN_LOGS ranks a frozen cell keeps only the notable ranks' own logs: the
+    slowest (here 13, 14 and 15) and rank 7, the outlier its loss chart names."""
+    clock = Clock()
+    ranks = list(range(16))
+    board = Dashboard(ranks, world_size=16, clock=clock, metrics=CellMetrics(label="In [5]"))
+    for r in ranks:
+        board.handle(P.RankState(r, "running"))
+    for r in ranks:
+        board.handle(P.Output(r, "stdout", f"rank {r} says hello\n"))
+        scale = 5 if r == 7 else 1
+        board.handle(metrics_event(r, "loss", range(50), [scale / (i + 1) for i in range(50)]))
+    clock.t = 3.0
+    for r in ranks:
+        if r % 4:
+            clock.t += 0.1  # the later ranks end later
+        board.handle(P.RankState(r, "done"))
+    board.close(P.CellEnd(1, tuple(ranks)))
+    html = board.frozen_bundle()["text/html"]
+    offered = [int(r) for r in re.findall(r"<details class='nbddp-log' data-rank='(\d+)'", html)]
+    assert 7 in offered, offered
+    assert "outlying: rank 7" in board.summary_text()

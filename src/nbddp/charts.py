@@ -19,11 +19,11 @@ from .fold import rank_set
 from .metric_store import Key, Line
 from .theme import CHART_IMAGE_FILTER, ink
 
-__all__ = ["LINES", "chart_svg", "charts_html", "outliers", "summary_line", "ticks"]
+__all__ = ["LINES", "chart_svg", "charts_html", "named", "outliers", "summary_line", "ticks"]
 
 LINES = 8  # ranks drawn one line each; more draw a band
 BAND_BUCKETS = 200  # x positions of the band
-WIDTH, HEIGHT = 440, 170
+WIDTH, HEIGHT = 560, 210  # at most: a narrower cell shrinks the chart to its width
 LEFT, RIGHT, TOP, BOTTOM = 60, 10, 22, 34  # (9 characters of a y label fit on the left)
 LEGEND_ROW = 13  # pixels a further row of the legend adds
 COLOURS = (  # matplotlib's tab10 without its red: red is a failed rank's, an outlier's
@@ -200,6 +200,18 @@ def outlying(lines: dict[int, Line], lasts: dict[int, float], most: int = 3) -> 
     return _outlying(_Grid(lines), lasts, most)
 
 
+def named(charts: list[tuple[Key, dict[int, Line]]]) -> list[int]:
+    """The ranks the charts name as outlying (beyond LINES ranks, lines of their own): a
+    finished cell offers their logs."""
+    out: list[int] = []
+    for _key, lines in charts:
+        lasts = {r: p[1] for r, line in lines.items() if (p := line.last()) is not None}
+        if len(lasts) > LINES:
+            far = outlying({r: lines[r] for r in lasts}, lasts)
+            out += [r for r in far if r not in out]
+    return out
+
+
 def _outlying(grid: _Grid, lasts: dict[int, float], most: int = 3) -> list[int]:
     scores = grid.scores()
     now = outliers(lasts, most=len(lasts))
@@ -229,7 +241,8 @@ def chart_svg(key: Key, lines: dict[int, Line], show_run: bool = True, image: bo
         f"<svg class='nbddp-chart' data-metric='{escape(name, quote=True)}' "
         f"xmlns='http://www.w3.org/2000/svg' width='{WIDTH}' height='{height}' "
         f"viewBox='0 0 {WIDTH} {height}' fill='currentColor' "
-        f"style='font:11px sans-serif{';color:#1a1a1a' if image else ''}'>"
+        f"style='font:11px sans-serif;max-width:100%;height:auto"
+        f"{';color:#1a1a1a' if image else ''}'>"
         f"{IMAGE_STYLE if image else ''}"
         f"<text x='{LEFT}' y='14' font-weight='bold'>{title}</text>{body}{keys}</svg>"
     )
@@ -344,7 +357,7 @@ def charts_html(charts: list[tuple[Key, dict[int, Line]]], own: str, images: boo
             alt = summary_line(key, lines, own) or key[1]
             svg = (
                 f"<img class='nbddp-chart' data-metric='{escape(key[1], quote=True)}' "
-                f"style='filter:{CHART_IMAGE_FILTER}' "
+                f"style='max-width:100%;height:auto;filter:{CHART_IMAGE_FILTER}' "
                 f"alt='{escape(alt, quote=True)}' "
                 f"src='data:image/svg+xml;base64,{base64.b64encode(svg.encode()).decode()}'/>"
             )

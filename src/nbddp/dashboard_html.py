@@ -9,7 +9,7 @@ from collections import Counter, deque
 
 from . import protocol as P
 from . import theme as T
-from .fold import Group, rank_set
+from .fold import Group, is_progress, rank_set
 
 __all__ = ["FAILED_STATES", "STATE_COLOURS", "RankView"]
 
@@ -127,14 +127,15 @@ def _row_html(rank: int, view: RankView, host: str | None, now: float) -> str:
     style = f"background:{T.FAILED_ROW};" if view.state in FAILED_STATES else ""
     elapsed = view.elapsed(now)
     host_html = f" <span style='color:{T.MUTED}'>{esc(host)}</span>" if host else ""
+    cell = "padding:1px 8px;text-align:left"  # (a front end's tables may align right)
     return (
         f"<tr class='nbddp-row nbddp-{view.state}' data-rank='{rank}' style='{style}'>"
-        f"<td style='padding:1px 8px'>rank {rank}{host_html}</td>"
-        f"<td style='padding:1px 8px;color:{colour};font-weight:bold'>{shown}</td>"
+        f"<td style='{cell}'>rank {rank}{host_html}</td>"
+        f"<td style='{cell};color:{colour};font-weight:bold'>{shown}</td>"
         "<td style='padding:1px 8px;text-align:right'>"
         f"{'' if elapsed is None else f'{elapsed:.1f} s'}</td>"
-        f"<td style='padding:1px 8px'>{progress_html(view.progress)}</td>"
-        f"<td style='padding:1px 8px;{T.CODE_FONT};max-width:60ch;"
+        f"<td style='{cell}'>{progress_html(view.progress)}</td>"
+        f"<td style='{cell};{T.CODE_FONT};max-width:60ch;"
         "overflow:hidden;text-overflow:ellipsis;white-space:nowrap'>"
         f"{esc(view.last[-300:])}</td></tr>"
     )
@@ -157,13 +158,22 @@ def progress_html(p: P.RankProgress | None) -> str:
     return f"<span class='nbddp-progress'>{bar}{desc}{count}</span>"
 
 
+def shown_stream(group: Group) -> str:
+    """The stream a line is shown as: ``stderr`` (in an error's colour) for what a rank
+    wrote to stderr but a tqdm bar, shown as ``progress`` (plain): a finished bar in red
+    made a cell that went well look failed. Tracebacks and warnings stay ``stderr``."""
+    if group.stream == "stderr" and is_progress(group.text):
+        return "progress"
+    return group.stream
+
+
 def pane_html(lines: list[Group], dropped: int, shown: int, labelled: bool) -> str:
     """A static scrolling log: the last ``shown`` lines, a note of the rest."""
     hidden = dropped + max(0, len(lines) - shown)
     body = "".join(
         (
             f"<span style='color:{T.STDERR}'>{esc(text)}</span>\n"
-            if g.stream == "stderr"
+            if shown_stream(g) == "stderr"
             else esc(text) + "\n"
         )
         for g in lines[-shown:]
@@ -175,14 +185,13 @@ def pane_html(lines: list[Group], dropped: int, shown: int, labelled: bool) -> s
         if hidden
         else ""
     )
-    # column-reverse keeps the scroll at the bottom: the tail is always visible
+    # opens at its top: its first line and the note of what came before in view
     return (
-        "<div class='nbddp-pane' style='max-height:320px;overflow-y:auto;display:flex;"
-        "flex-direction:column-reverse'><div>"
+        "<div class='nbddp-pane' style='max-height:320px;overflow-y:auto'>"
         + note
         + f"<pre style='margin:0;white-space:pre-wrap;{T.CODE_FONT}'>"
         + body
-        + "</pre></div></div>"
+        + "</pre></div>"
     )
 
 
