@@ -110,6 +110,8 @@ def test_sixteen_ranks_draw_a_band_and_a_median_and_name_the_outlying_rank(lab, 
         page.screenshot(path=str(ARTIFACTS / "metrics-16-live.png"), full_page=True)
         frozen = frozen_dashboard(cell)
         frozen_band_with_rank_7_outlying(frozen)
+        # beyond 8 ranks the frozen view keeps the notable ranks' logs: rank 7's among them
+        playwright.expect(frozen.locator("details.nbddp-log[data-rank='7']")).to_have_count(1)
 
 
 # -- the charts' SVG as a browser lays it out (charts_html of made-up lines: no server)

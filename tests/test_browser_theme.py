@@ -34,6 +34,7 @@ CELLS = [
     "for i in range(40):\n"
     "    print(f'line {i}')  # a log longer than its box\n"
     "print(f'a warning on rank {rank}', file=sys.stderr)\n"
+    "print('train: 100%|##########| 10/10 [00:01<00:00,  9.81it/s]', file=sys.stderr)\n"
     "time.sleep(4)  # the live dashboard is looked at meanwhile\n"
     "if rank == 2:\n"
     "    raise ValueError('rank two is unhappy')",
@@ -89,6 +90,7 @@ def check_live(cell, where: str) -> None:
     readable(running.locator("td").nth(0), f"{where}: a running row's rank")
     readable(running.locator("td").nth(1), f"{where}: `running`")
     readable(stderr, f"{where}: a stderr line in the live log")
+    plain_bar(live, where)
     readable(live.locator("svg.nbddp-chart text").first, f"{where}: the live chart's title")
     chart_bg = live.locator("svg.nbddp-chart").evaluate("e => getComputedStyle(e).backgroundColor")
     assert chart_bg == "rgba(0, 0, 0, 0)", f"{where}: the chart paints its own background"
@@ -96,6 +98,18 @@ def check_live(cell, where: str) -> None:
     room = live.bounding_box()["width"]
     width = live.locator("svg.nbddp-chart").bounding_box()["width"]
     assert round(width) == min(WIDTH, round(room)), f"{where}: a chart {width} wide in {room}"
+
+
+BAR_COLOURS_JS = """pre => [getComputedStyle(pre).color, ...[...pre.querySelectorAll('span')]
+  .filter(s => s.textContent.includes('train: 100%')).map(s => getComputedStyle(s).color)]"""
+
+
+def plain_bar(log, where: str) -> None:
+    """A tqdm bar (on stderr) in ``log`` has the log's own colour, not stderr's red."""
+    pre = log.locator(".nbddp-pane pre")
+    expect(pre).to_contain_text("train: 100%|##########| 10/10")
+    own, *bars = pre.evaluate(BAR_COLOURS_JS)
+    assert all(c == own for c in bars), f"{where}: a tqdm bar shown as an error: {own} {bars}"
 
 
 def check_frozen(frozen, where: str, dark: bool) -> None:
@@ -114,6 +128,7 @@ def check_frozen(frozen, where: str, dark: bool) -> None:
     expect(own).to_have_attribute("open", "")
     readable(own.locator("pre span", has_text="a warning on rank 2"), f"{where}: a stderr line")
     readable(own.locator("summary"), f"{where}: a log's summary")
+    plain_bar(own, where)
     # the log opens at its top (it opened scrolled to its end, its first lines cut)
     pane = own.locator(".nbddp-pane")
     scroll = pane.evaluate("e => [e.scrollTop, e.scrollHeight > e.clientHeight]")
