@@ -7,9 +7,9 @@ and in a page that follows ``prefers-color-scheme`` with no JupyterLab variables
 - text keeps the theme's text colour (no colour is set);
 - a state's colour (``running``, ``failed``, stderr) is its hue mixed half-and-half with
   the theme's text colour (``color-mix(.., currentColor)``): darker on a light page,
-  lighter on a dark one; every hue here meets WCAG AA (4.5:1) against JupyterLab's
-  light and dark backgrounds, also on a failed row's tint (tests/test_browser_theme.py
-  measures it in the page);
+  lighter on a dark one; every hue here meets WCAG AA (4.5:1, at least 4.7 computed)
+  against JupyterLab's light and dark backgrounds, also on a failed row's tint
+  (tests/test_browser_theme.py measures running, done, failed and stderr in the page);
 - backgrounds are translucent tints over the theme's background, never a light colour
   of their own (a light pink under a dark theme's white text read at 1.2:1);
 - a front end that drops a declaration it does not know (an old browser, a sanitizer)
