@@ -251,6 +251,9 @@ def test_a_front_end_opening_the_saved_notebook_shows_the_frozen_dashboard(saved
         expect(html.locator("tr").nth(rank)).to_contain_text(f"rank {rank}")
     expect(html).to_contain_text("4 of 4 ranks")
     expect(html).to_contain_text("all ranks log (4 lines)")
+    # the logs in a monospace font, though the sanitizer drops the theme's code font
+    font = html.locator(".nbddp-pane pre").first.evaluate("e => getComputedStyle(e).fontFamily")
+    assert "mono" in font.lower(), font
     shown = page.locator(".jp-Notebook").inner_text()
     assert "Loading widget" not in shown
     assert "Error displaying widget" not in shown

@@ -13,7 +13,10 @@ and in a page that follows ``prefers-color-scheme`` with no JupyterLab variables
 - backgrounds are translucent tints over the theme's background, never a light colour
   of their own (a light pink under a dark theme's white text read at 1.2:1);
 - a front end that drops a declaration it does not know (an old browser, a sanitizer)
-  shows the theme's text colour instead: plain, still readable.
+  shows the theme's text colour instead: plain, still readable. JupyterLab's sanitizer
+  (a saved notebook it does not trust) drops ``color-mix``, ``var()`` and the charts'
+  filter (checked): its states are in the text colour, the failed row keeps its tint,
+  the logs their plain ``monospace``.
 
 The frozen charts are ``<img>`` of SVG, which cannot see the page's colours: they are
 drawn with dark ink on a transparent background, each label on a halo of the paper's
@@ -67,8 +70,13 @@ MUTED = "color-mix(in srgb,currentColor 70%,transparent)"  # hosts, notes: the t
 TRACK = "color-mix(in srgb,currentColor 15%,transparent)"  # a progress bar's empty part
 BAR = ink("#1f6fb4")
 STDERR = ink("#b71c1c")
-# (no quoted family names: this goes inside style='...')
-CODE_FONT = "font-family:var(--jp-code-font-family,ui-monospace,Menlo,Consolas,monospace)"
+# (no quoted family names: this goes inside style='...'). The plain first declaration is
+# for a sanitized page (an untrusted notebook), whose sanitizer drops var(); others use
+# the second, the theme's code font.
+CODE_FONT = (
+    "font-family:monospace;"
+    "font-family:var(--jp-code-font-family,ui-monospace,Menlo,Consolas,monospace)"
+)
 _DARK = "var(--jp-shadow-base-lightness,0)/32"  # 0 in JupyterLab's light themes, 1 in dark
 CHART_IMAGE_FILTER = f"invert(calc({_DARK})) hue-rotate(calc(180deg*{_DARK}))"
 
