@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -211,3 +212,57 @@ def metrics_test(page, ranks: int = 4) -> None:
         assert legend_values(root) == {r: f"{logged(metric, r):.4g}" for r in range(ranks)}
         alt = image.get_attribute("alt")
         assert alt.startswith(f"[ranks 0-{ranks - 1}] {metric} @ step 499: median "), alt
+
+
+# -- contrast as the page draws it (WCAG 2: relative luminance, alpha composited)
+
+CONTRAST_JS = """el => {
+  if (!el.isConnected) return null;  // a live row redrawn meanwhile: ask again
+  const ctx = document.createElement('canvas').getContext('2d', {willReadFrequently: true});
+  const rgba = css => {  // any CSS colour (rgb(), color(srgb ..), color-mix) as drawn
+    ctx.clearRect(0, 0, 1, 1);
+    ctx.fillStyle = css;
+    ctx.fillRect(0, 0, 1, 1);
+    const d = ctx.getImageData(0, 0, 1, 1).data;
+    return [d[0], d[1], d[2], d[3] / 255];
+  };
+  const over = (top, under) => [0, 1, 2].map(i => top[i] * top[3] + under[i] * (1 - top[3]))
+    .concat([1]);
+  const layers = [];
+  for (let e = el; e; e = e.parentElement) {
+    const bg = rgba(getComputedStyle(e).backgroundColor);
+    if (bg[3] > 0) layers.push(bg);
+    if (bg[3] >= 1) break;
+  }
+  let bg = [255, 255, 255, 1];  // the canvas under everything
+  for (const layer of layers.reverse()) bg = over(layer, bg);
+  const style = getComputedStyle(el);
+  const ink = rgba(el instanceof SVGElement ? style.fill : style.color);
+  const fg = over([ink[0], ink[1], ink[2], ink[3] * Number(style.opacity)], bg);
+  const lum = c => {
+    const [r, g, b] = c.slice(0, 3).map(v => v / 255)
+      .map(v => (v <= 0.04045 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4));
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b;
+  };
+  const [hi, lo] = [lum(fg), lum(bg)].sort((a, b) => b - a);
+  return {ratio: (hi + 0.05) / (lo + 0.05), fg: fg.map(Math.round), bg: bg.map(Math.round),
+          text: el.textContent.slice(0, 40)};
+}"""
+
+
+def contrast(locator) -> dict:
+    """The WCAG contrast of an element's text against what is drawn under it (its and its
+    ancestors' backgrounds, composited): {ratio, fg, bg, text}. (The live widget redraws
+    its rows: an element gone before it was read is read again.)"""
+    deadline = time.monotonic() + 10
+    while (seen := locator.evaluate(CONTRAST_JS)) is None:
+        assert time.monotonic() < deadline, f"{locator} kept being redrawn"
+    return seen
+
+
+def readable(locator, what: str, floor: float = 4.5) -> float:
+    """Assert the element's text meets WCAG AA (4.5:1); its ratio."""
+    seen = contrast(locator)
+    assert seen["ratio"] >= floor, f"{what}: contrast {seen['ratio']:.2f} < {floor}: {seen}"
+    print(f"{what}: {seen['ratio']:.2f}:1 ({seen['fg']} on {seen['bg']})")
+    return seen["ratio"]

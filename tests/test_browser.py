@@ -19,6 +19,7 @@ from browser_kit import (
     frozen_chart,
     frozen_dashboard,
     playwright,
+    readable,
     run_all,
     screenshot_after,
     svg_class,
@@ -87,14 +88,16 @@ def test_a_rank_of_four_failing_before_a_collective_ends_the_cell_with_its_row_r
         expect(failed).to_have_count(1)
         assert failed.get_attribute("data-rank") == "2"
         background = failed.evaluate("e => getComputedStyle(e).backgroundColor")
-        assert background == "rgb(253, 231, 231)"
+        assert background == "rgba(198, 40, 40, 0.15)"  # a red tint over the theme's
+        readable(failed.locator("td").nth(1), "`failed` on its row")
         expect(cell.locator(".nbddp-row.nbddp-freed")).to_have_count(3)
         # the failed rank's pane is the one open, and shows its lines, stderr apart
         pane = cell.locator(".nbddp-pane:visible")
         expect(pane).to_contain_text("hello from rank 2")
-        expect(pane.locator("span", has_text="a warning on rank 2")).to_have_css(
-            "color", "rgb(183, 28, 28)"
-        )
+        warning = pane.locator("span", has_text="a warning on rank 2")
+        readable(warning, "a stderr line")
+        colours = [e.evaluate("e => getComputedStyle(e).color") for e in (warning, pane)]
+        assert colours[0] != colours[1]  # coloured apart from stdout
         assert "Loading widget" not in cell.locator(".jp-Cell-outputArea").inner_text()
         # the finished dashboard is frozen: static HTML, no widget view left
         expect(cell.locator(".nbddp-summary")).to_have_count(1)
@@ -218,7 +221,9 @@ def test_a_rank_of_four_killed_in_a_collective_is_replaced_and_the_next_cell_run
         expect(dead).to_have_count(1)
         assert dead.get_attribute("data-rank") == "2"
         expect(dead).to_contain_text("dead: new process")
-        assert dead.evaluate("e => getComputedStyle(e).backgroundColor") == "rgb(253, 231, 231)"
+        tint = dead.evaluate("e => getComputedStyle(e).backgroundColor")
+        assert tint == "rgba(198, 40, 40, 0.15)"
+        readable(dead.locator("td").nth(1), "`dead: new process` on its row")
         freed = cell.locator(".nbddp-row.nbddp-freed")
         expect(freed).to_have_count(3)
         assert sorted(freed.nth(i).get_attribute("data-rank") for i in range(3)) == ["0", "1", "3"]
@@ -301,7 +306,8 @@ def test_screenshot_of_a_dashboard_with_a_folded_log_a_chart_and_a_failed_rank(l
         failed = frozen.locator(".nbddp-row.nbddp-failed")
         expect(failed).to_have_count(1)
         assert failed.get_attribute("data-rank") == "2"
-        assert failed.evaluate("e => getComputedStyle(e).backgroundColor") == "rgb(253, 231, 231)"
+        tint = failed.evaluate("e => getComputedStyle(e).backgroundColor")
+        assert tint == "rgba(198, 40, 40, 0.15)"
         expect(frozen.locator(".nbddp-row.nbddp-done")).to_have_count(3)
         # the loss of every rank: drawn, a line each, none red (a failed rank's colour)
         loss, root = frozen_chart(frozen, "loss")

@@ -110,6 +110,8 @@ def test_sixteen_ranks_draw_a_band_and_a_median_and_name_the_outlying_rank(lab, 
         page.screenshot(path=str(ARTIFACTS / "metrics-16-live.png"), full_page=True)
         frozen = frozen_dashboard(cell)
         frozen_band_with_rank_7_outlying(frozen)
+        # beyond 8 ranks the frozen view keeps the notable ranks' logs: rank 7's among them
+        playwright.expect(frozen.locator("details.nbddp-log[data-rank='7']")).to_have_count(1)
 
 
 # -- the charts' SVG as a browser lays it out (charts_html of made-up lines: no server)
@@ -176,3 +178,23 @@ def test_a_band_charts_x_axis_spans_the_steps_logged(browser):
     texts = [t for t, *_ in laid_out(page, made_up_charts(16))]  # no outlier: the band alone
     assert "0" in texts
     assert "499" in texts
+
+
+@pytest.mark.parametrize("room", [300, 1200])
+def test_a_chart_fits_the_cells_width(browser, room):
+    """Its full size where the cell has room, shrunk to the cell's width (text and all)
+    where it has not: live (inline SVG) and frozen (an image) alike."""
+    from nbddp.charts import HEIGHT, WIDTH, charts_html
+
+    page = browser.new_page()
+    charts = made_up_charts(4)
+    for images in (False, True):
+        html = charts_html(charts, "In [3]", images=images)
+        page.set_content(f"<body style='margin:0'><div style='width:{room}px'>{html}</div></body>")
+        chart = page.locator(".nbddp-chart")
+        playwright.expect(chart).to_be_visible()
+        page.wait_for_function("() => [...document.images].every(i => i.complete)")
+        box = chart.bounding_box()
+        width = min(WIDTH, room)
+        assert round(box["width"]) == width, (images, box)
+        assert abs(box["height"] - HEIGHT * width / WIDTH) <= 1, (images, box)

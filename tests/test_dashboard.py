@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 
 from nbddp import protocol as P
 from nbddp.dashboard import Dashboard, TextSink
+from nbddp.theme import FAILED_ROW, MUTED, state_colour
 
 
 def make(**kw):
@@ -176,7 +178,7 @@ def test_a_failed_rank_turns_red_and_its_log_opens():
     d.close(P.CellEnd(1, (0, 1, 2), errors={2: P.ErrorInfo("E", "m", "tb")}))
     assert d.widget.focus == 2
     row = d.widget.rows.split("data-rank='2'")[1].split("</tr>")[0]
-    assert "background:#fde7e7" in row
+    assert f"background:{FAILED_ROW}" in row
     assert "#c62828" in row
     assert "failed" in d.widget.header
 
@@ -194,8 +196,8 @@ def test_a_dead_rank_replaced_by_a_new_process_says_so_in_its_red_row(n):
     assert d.widget.focus == n - 1  # its log is the one open
     row = d.widget.rows.split(f"data-rank='{n - 1}'")[1].split("</tr>")[0]
     assert "dead: new process" in row
-    assert "background:#fde7e7" in row
-    assert "color:#7f0000" in row  # the dark red of a death
+    assert f"background:{FAILED_ROW}" in row
+    assert f"color:{state_colour('dead')}" in row  # the dark red of a death
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
@@ -299,7 +301,7 @@ def test_a_finished_cell_is_frozen_to_static_html_and_its_widget_closed():
     # the failed rank's log is open, the all-ranks log closed; its row red
     assert "<details class='nbddp-log' data-rank='1' open><summary>rank 1 log (1 line)<" in html
     assert "<details class='nbddp-log nbddp-log-all'><summary>all ranks log (2 lines)<" in html
-    assert "nbddp-row nbddp-failed' data-rank='1' style='background:#fde7e7;'" in html
+    assert f"nbddp-row nbddp-failed' data-rank='1' style='background:{FAILED_ROW};'" in html
     assert "rank 1: failed" in bundle["text/plain"]
 
 
@@ -322,7 +324,7 @@ def test_text_lines_and_rows_name_the_host_when_ranks_span_hosts():
     assert out.getvalue() == "[rank 1@node-b] hi\n"
     d, _ = dashboard(hosts={0: "node-a", 1: "node-b"})
     d.close(P.CellEnd(1, (0, 1)))
-    assert "rank 1 <span style='color:#888'>node-b</span>" in d.widget.rows
+    assert f"rank 1 <span style='color:{MUTED}'>node-b</span>" in d.widget.rows
 
 
 def test_a_rank_blocked_in_a_collective_shows_what_it_waits_in_and_for_how_long():
@@ -380,3 +382,37 @@ def test_a_dashboard_is_one_model_whatever_the_number_of_ranks():
         assert len(_instances) - before == 1
         d.close(P.CellEnd(1, tuple(range(n))))
         assert len(_instances) == before
+
+
+def test_a_tqdm_bar_on_stderr_is_progress_not_an_error_and_a_warning_stays_red():
+    """tqdm writes to stderr; its bar shows plain (a finished bar in red made a good cell
+    look failed), live and frozen; what else a rank writes to stderr stays red."""
+    d, _ = dashboard(ranks=(0,))
+    start(d, (0,))
+    bar = "train: 100%|##########| 10/10 [00:01<00:00,  9.81it/s]"
+    d.handle(P.Output(0, "stderr", f"{bar}\n"))
+    d.handle(P.Output(0, "stderr", "45it [00:01, 30.12it/s]\n"))  # tqdm with no total
+    d.handle(P.Output(0, "stderr", "UserWarning: careful\n"))
+    d.handle(P.RankState(0, "done"))
+    d.close(P.CellEnd(1, (0,)))
+    streams = {text: stream for _ranks, stream, text in d.widget.lines}
+    assert streams == {
+        bar: "progress",
+        "45it [00:01, 30.12it/s]": "progress",
+        "UserWarning: careful": "stderr",
+    }
+    html = d.frozen_bundle()["text/html"]
+    red = re.findall(r"<span style='color:[^']*'>([^<]*)</span>", html)
+    assert red == ["[0] UserWarning: careful", "UserWarning: careful"]  # all ranks', its own
+
+
+def test_a_frozen_log_opens_at_its_top_and_rank_labels_align_left():
+    """The frozen log is not scrolled to its end (its first lines were cut), and the rows'
+    cells say their alignment (a front end's tables align right: frozen labels did)."""
+    d, _ = dashboard(ranks=(0, 1))
+    start(d, (0, 1))
+    d.handle(P.Output(0, "stdout", "".join(f"line {i}\n" for i in range(100))))
+    d.close(P.CellEnd(1, (0, 1)))
+    html = d.frozen_bundle()["text/html"]
+    assert "column-reverse" not in html
+    assert "<td style='padding:1px 8px;text-align:left'>rank 0</td>" in html

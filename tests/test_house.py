@@ -24,7 +24,7 @@ CORE = {
 FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",
     "dashboard", "dashboard_html", "dashboard_widget", "sinks", "fold", "export", "demo",
-    "remote", "detaching", "reports", "magics_pool", "metric_store", "charts",
+    "remote", "detaching", "reports", "magics_pool", "metric_store", "charts", "theme",
 }  # fmt: skip
 WORKER = {
     "worker", "worker_control", "worker_group", "worker_shims", "worker_cell",

@@ -5,6 +5,7 @@ at 2, 3, 4 and 8 ranks that must deliver every point of every rank exactly."""
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import random
 import re
@@ -31,6 +32,8 @@ from nbddp.charts import (
     charts_html,
     outliers,
     summary_line,
+    tick_label,
+    ticks,
 )
 from nbddp.dashboard import Dashboard
 from nbddp.drive import drive
@@ -349,10 +352,11 @@ def test_no_rank_is_drawn_red_red_is_an_outliers():
     assert [e.get("stroke") for e in far] == [OUTLIER]
 
 
-@pytest.mark.parametrize(("ahead", "last"), [(7, 248), (8, 499), (16, 499)])
-def test_the_band_reaches_the_steps_half_the_ranks_have_logged(ahead, last):
-    """16 ranks, ``ahead`` of them at step 499, the others at 249: the band (and so the x
-    axis) ends where at least half the ranks have come, not where the first one is."""
+@pytest.mark.parametrize(("ahead", "last"), [(1, 248), (8, 248), (15, 248), (16, 499)])
+def test_the_band_and_median_reach_only_the_steps_every_rank_has_logged(ahead, last):
+    """16 ranks, ``ahead`` of them at step 499, the others at 249 (a live cell): the band
+    and the median (and so the x axis) end where every rank has come, not where the first
+    ones are (there the median of the ranks ahead alone would dip, read as a sudden drop)."""
     lines = {
         r: line_of([1 / (i + 1) + 0.001 * (r % 4) for i in range(500 if r < ahead else 250)])
         for r in range(16)
@@ -360,11 +364,11 @@ def test_the_band_reaches_the_steps_half_the_ranks_have_logged(ahead, last):
     root = parse(chart_svg(("In [1]", "loss"), lines))
     assert not by_class(root, "nbddp-outlier")
     texts = [e.text for e in root.iter(SVG + "text")]
-    assert texts[3:6] == ["0", str(last), "step"]  # the x axis: first and last step
-    right = max(
-        float(p.split(",")[0]) for p in by_class(root, "nbddp-band")[0].get("points").split()
-    )
-    assert right == WIDTH - RIGHT  # the band runs to the axis' end
+    step = texts.index("step")
+    assert texts[step - 2 : step] == ["0", str(last)]  # the x axis: first and last step
+    for cls in ("nbddp-band", "nbddp-median"):
+        right = max(float(p.split(",")[0]) for p in by_class(root, cls)[0].get("points").split())
+        assert right == WIDTH - RIGHT  # the band and the median run to the axis' end
 
 
 def test_sixteen_ranks_close_together_name_no_outlier():
@@ -410,7 +414,7 @@ def test_a_metric_name_with_markup_is_escaped_and_the_svg_still_parses():
         assert metric == name
         assert alt == summary_line(("run<b>", name), lines, own="In [1]")
         assert name in alt
-        assert image == svg
+        assert image == chart_svg(("run<b>", name), lines, image=True)  # the same, as a document
 
 
 def test_a_run_other_than_the_cells_own_is_named_in_the_title():
@@ -825,3 +829,55 @@ def test_a_rank_off_early_in_the_run_is_named_though_it_has_caught_up():
     tops = [float(p.split(",")[1]) for p in band]
     outlier = root.findall(f"{SVG}polyline")[1].get("points").split()
     assert min(tops) > float(outlier[0].split(",")[1]) + 50  # the band stays far below it
+
+
+@pytest.mark.parametrize(
+    ("low", "high"),
+    [(0.06505, 1.036), (1.523, 2.712), (0.0, 1.0), (-3.0, 7.0), (12345.0, 98765.0),
+     (0.001, 0.0013), (0.3, 0.31), (-0.5, -0.2), (1e-6, 4e-6), (0.0, 2.7e9)],
+)  # fmt: skip
+def test_y_ticks_are_round_values_inside_the_datas_range(low, high):
+    values = ticks(low, high)
+    assert 2 <= len(values) <= 5, values
+    assert all(low - 1e-12 <= v <= high + 1e-12 for v in values), values  # never outside
+    step = values[1] - values[0]
+    assert all(math.isclose(b - a, step, rel_tol=1e-6) for a, b in itertools.pairwise(values))
+    mantissa = step / 10 ** math.floor(math.log10(step))
+    assert any(math.isclose(mantissa, m, rel_tol=1e-6) for m in (1, 2, 2.5, 5)), step
+    assert all(math.isclose(v / step, round(v / step), abs_tol=1e-6) for v in values)
+    labels = [tick_label(v, values) for v in values]
+    assert len(set(labels)) == len(labels), labels  # each says its value
+    assert all(len(label) <= 9 for label in labels), labels  # they fit left of the axis
+
+
+def test_a_loss_that_is_never_negative_has_no_negative_label():
+    """The y labels are round values within the data (the padded edges were -0.04157)."""
+    lines = {r: line_of([1 / (i + 1) for i in range(300)]) for r in range(4)}
+    root = parse(chart_svg(("In [1]", "loss"), lines))
+    labels = [e.text for e in by_class(root, "nbddp-tick") if e.tag == SVG + "text"]
+    assert labels == ["0.2", "0.4", "0.6", "0.8", "1.0"]
+    assert not [e.text for e in root.iter(SVG + "text") if e.text and e.text.startswith("-")]
+
+
+def test_a_finished_16_rank_cell_offers_the_log_of_the_rank_its_chart_names():
+    """Beyond OWN_LOGS ranks a frozen cell keeps only the notable ranks' own logs: the
+    slowest (here 13, 14 and 15) and rank 7, the outlier its loss chart names."""
+    clock = Clock()
+    ranks = list(range(16))
+    board = Dashboard(ranks, world_size=16, clock=clock, metrics=CellMetrics(label="In [5]"))
+    for r in ranks:
+        board.handle(P.RankState(r, "running"))
+    for r in ranks:
+        board.handle(P.Output(r, "stdout", f"rank {r} says hello\n"))
+        scale = 5 if r == 7 else 1
+        board.handle(metrics_event(r, "loss", range(50), [scale / (i + 1) for i in range(50)]))
+    clock.t = 3.0
+    for r in ranks:
+        if r % 4:
+            clock.t += 0.1  # the later ranks end later
+        board.handle(P.RankState(r, "done"))
+    board.close(P.CellEnd(1, tuple(ranks)))
+    html = board.frozen_bundle()["text/html"]
+    offered = [int(r) for r in re.findall(r"<details class='nbddp-log' data-rank='(\d+)'", html)]
+    assert 7 in offered, offered
+    assert "outlying: rank 7" in board.summary_text()

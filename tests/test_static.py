@@ -36,6 +36,7 @@ from helpers import (
     run_all_cells,
     svg_of,
 )
+from nbddp.charts import HEIGHT, WIDTH
 
 CELLS = [
     "%load_ext nbddp",
@@ -194,8 +195,8 @@ def test_nbconvert_html_as_nbviewer_renders_it_holds_the_charts(executed, tmp_pa
             tab.goto((tmp_path / "metrics.html").as_uri(), wait_until="domcontentloaded")
             expect(tab.locator(".nbddp-summary")).to_have_count(1)
             for metric, drawn in zip(METRICS, drawn_charts(tab), strict=True):
-                assert (drawn["width"], drawn["height"]) == (440, 170)
-                assert drawn["box"] == (440, 170)
+                assert (drawn["width"], drawn["height"]) == (WIDTH, HEIGHT)
+                assert drawn["box"] == (WIDTH, HEIGHT)
                 assert drawn["alt"] == said[metric]
                 assert rank_lines(drawn["svg"], metric) == RANK_LINES
             tab.screenshot(path=str(tmp_path / "nbconvert.png"), full_page=True)
@@ -250,6 +251,9 @@ def test_a_front_end_opening_the_saved_notebook_shows_the_frozen_dashboard(saved
         expect(html.locator("tr").nth(rank)).to_contain_text(f"rank {rank}")
     expect(html).to_contain_text("4 of 4 ranks")
     expect(html).to_contain_text("all ranks log (4 lines)")
+    # the logs in a monospace font, though the sanitizer drops the theme's code font
+    font = html.locator(".nbddp-pane pre").first.evaluate("e => getComputedStyle(e).fontFamily")
+    assert "mono" in font.lower(), font
     shown = page.locator(".jp-Notebook").inner_text()
     assert "Loading widget" not in shown
     assert "Error displaying widget" not in shown
@@ -262,8 +266,8 @@ def test_a_front_end_opening_the_saved_notebook_draws_the_frozen_charts(saved_vi
     _, html = saved_view
     said = summaries(executed[1].data["text/plain"])
     for metric, drawn in zip(METRICS, drawn_charts(html), strict=True):
-        assert (drawn["width"], drawn["height"]) == (440, 170)
-        assert drawn["box"] == (440, 170)
+        assert (drawn["width"], drawn["height"]) == (WIDTH, HEIGHT)
+        assert drawn["box"] == (WIDTH, HEIGHT)
         assert rank_lines(drawn["svg"], metric) == RANK_LINES
         assert drawn["alt"] == said[metric]
     assert html.locator("svg").count() == 0  # nothing inline that the sanitizer cut
@@ -342,7 +346,7 @@ def test_a_front_end_without_a_widget_manager_shows_the_static_summary_then_the_
             for rank in range(4):
                 expect(summary).to_contain_text(f"[{rank}] hello from rank {rank}")
             for metric, drawn in zip(METRICS, drawn_charts(summary), strict=True):
-                assert (drawn["width"], drawn["height"]) == (440, 170)
+                assert (drawn["width"], drawn["height"]) == (WIDTH, HEIGHT)
                 assert rank_lines(drawn["svg"], metric) == RANK_LINES
                 assert drawn["alt"].startswith(f"[ranks 0-3] {metric} @ step 99: median ")
             stderr = "[data-mime-type='application/vnd.jupyter.stderr']"

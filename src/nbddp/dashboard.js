@@ -31,7 +31,6 @@ function render({ model, el }) {
   pane.style.cssText = "max-height:320px;overflow-y:auto";
   const note = document.createElement("div");
   note.className = "nbddp-dropped";
-  note.style.color = "#888";
   const pre = document.createElement("pre");
   pre.style.cssText = "margin:0;white-space:pre-wrap";
   pane.append(note, pre);
@@ -60,7 +59,7 @@ function render({ model, el }) {
       if (shown !== null && !holds(ranks, shown)) continue;
       const line = document.createElement("span");
       line.className = "nbddp-line";
-      if (stream === "stderr") line.style.color = "#b71c1c";
+      if (stream === "stderr") line.classList.add("nbddp-stderr"); // coloured by _css
       line.textContent = `${shown === null ? `[${ranks}] ` : ""}${text}\n`;
       lines.append(line);
     }

@@ -21,7 +21,7 @@ from collections import deque
 
 from . import dashboard_html as H
 from . import protocol as P
-from .charts import charts_html, summary_line
+from .charts import charts_html, named, summary_line
 from .dashboard_html import FAILED_STATES, STATE_COLOURS
 from .dashboard_widget import flush_only_pending, new_widget
 from .fold import Folder, Group, Lines, rank_set
@@ -194,7 +194,7 @@ class Dashboard:
                 self._log_dirty = False
                 start = max(0, len(self.log) - self.LIVE_LINES)
                 w.lines = [
-                    [rank_set(g.ranks), g.stream, g.text]
+                    [rank_set(g.ranks), H.shown_stream(g), g.text]
                     for g in itertools.islice(self.log, start, None)
                 ]
                 w.hidden = self.dropped + start
@@ -263,7 +263,8 @@ class Dashboard:
             failed = any(v.state in FAILED_STATES for v in self.views.values())
             parts.append(H.all_log_html(self.log, self.dropped, tail, failed))
         own = sorted(self.views)
-        if len(self.views) > self.OWN_LOGS:
-            own = H.notable(self.views, now, self.ROWS)
+        if len(self.views) > self.OWN_LOGS:  # and the ranks the charts name as outlying
+            charted = [r for r in named(self.metrics.charts()) if r in self.views]
+            own = sorted({*H.notable(self.views, now, self.ROWS), *charted})
         parts.append(H.own_logs_html(self.views, own, tail))
         return "<div class='nbddp-summary'>" + "".join(parts) + "</div>"

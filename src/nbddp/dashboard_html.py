@@ -8,28 +8,13 @@ import html
 from collections import Counter, deque
 
 from . import protocol as P
-from .fold import Group, rank_set
+from . import theme as T
+from .fold import Group, is_progress, rank_set
 
 __all__ = ["FAILED_STATES", "STATE_COLOURS", "RankView"]
 
-STATE_COLOURS = {
-    "queued": "#888888",
-    "running": "#1f6fb4",
-    "done": "#2a8a2a",
-    "failed": "#c62828",
-    "interrupted": "#d9822b",
-    "freed": "#d9822b",
-    "dead": "#7f0000",
-    "replaced": "#7f0000",  # dead, and a new process took its place
-    "waiting": "#b8860b",
-    "debugging": "#6a1b9a",
-}
+STATE_COLOURS = T.STATE_HUES  # each state's hue (shown mixed with the theme's text)
 FAILED_STATES = ("failed", "dead", "replaced")
-
-
-def _colour(state_text: str) -> str:
-    """The colour of a state as shown: ``waiting in all_reduce (3 s)``, ``dead: new process``."""
-    return STATE_COLOURS.get(state_text.split()[0].rstrip(":"), "#888888")
 
 
 class RankView:
@@ -94,7 +79,7 @@ def summary_line(views: Views, now: float) -> str:
     """Counts per state, the slowest ranks and the one furthest behind."""
     counts = Counter(v.state_text(now).split(" (")[0] for v in views.values())
     shown = " · ".join(
-        f"<span style='color:{_colour(s)};font-weight:bold'>{n} {esc(s)}</span>"
+        f"<span style='color:{T.state_colour(s)};font-weight:bold'>{n} {esc(s)}</span>"
         for s, n in sorted(counts.items(), key=lambda sn: -sn[1])
     )
     slow = slowest(views, now, 3)
@@ -138,18 +123,19 @@ def table_html(views: Views, ranks: list[int], hosts: dict[int, str], now: float
 
 def _row_html(rank: int, view: RankView, host: str | None, now: float) -> str:
     shown = view.state_text(now)
-    colour = _colour(shown)
-    style = "background:#fde7e7;" if view.state in FAILED_STATES else ""
+    colour = T.state_colour(shown)
+    style = f"background:{T.FAILED_ROW};" if view.state in FAILED_STATES else ""
     elapsed = view.elapsed(now)
-    host_html = f" <span style='color:#888'>{esc(host)}</span>" if host else ""
+    host_html = f" <span style='color:{T.MUTED}'>{esc(host)}</span>" if host else ""
+    cell = "padding:1px 8px;text-align:left"  # (a front end's tables may align right)
     return (
         f"<tr class='nbddp-row nbddp-{view.state}' data-rank='{rank}' style='{style}'>"
-        f"<td style='padding:1px 8px'>rank {rank}{host_html}</td>"
-        f"<td style='padding:1px 8px;color:{colour};font-weight:bold'>{shown}</td>"
+        f"<td style='{cell}'>rank {rank}{host_html}</td>"
+        f"<td style='{cell};color:{colour};font-weight:bold'>{shown}</td>"
         "<td style='padding:1px 8px;text-align:right'>"
         f"{'' if elapsed is None else f'{elapsed:.1f} s'}</td>"
-        f"<td style='padding:1px 8px'>{progress_html(view.progress)}</td>"
-        "<td style='padding:1px 8px;font-family:monospace;max-width:60ch;"
+        f"<td style='{cell}'>{progress_html(view.progress)}</td>"
+        f"<td style='{cell};{T.CODE_FONT};max-width:60ch;"
         "overflow:hidden;text-overflow:ellipsis;white-space:nowrap'>"
         f"{esc(view.last[-300:])}</td></tr>"
     )
@@ -161,9 +147,9 @@ def progress_html(p: P.RankProgress | None) -> str:
     if p.total:
         pct = min(100.0, 100.0 * p.done / p.total)
         bar = (
-            "<span style='display:inline-block;width:90px;height:8px;background:#e4e4e4;"
+            f"<span style='display:inline-block;width:90px;height:8px;background:{T.TRACK};"
             f"vertical-align:middle'><span class='nbddp-bar' style='display:block;"
-            f"width:{pct:.0f}%;height:8px;background:#1f6fb4'></span></span> "
+            f"width:{pct:.0f}%;height:8px;background:{T.BAR}'></span></span> "
         )
         count = f"{p.done}/{p.total}"
     else:
@@ -172,31 +158,40 @@ def progress_html(p: P.RankProgress | None) -> str:
     return f"<span class='nbddp-progress'>{bar}{desc}{count}</span>"
 
 
+def shown_stream(group: Group) -> str:
+    """The stream a line is shown as: ``stderr`` (in an error's colour) for what a rank
+    wrote to stderr but a tqdm bar, shown as ``progress`` (plain): a finished bar in red
+    made a cell that went well look failed. Tracebacks and warnings stay ``stderr``."""
+    if group.stream == "stderr" and is_progress(group.text):
+        return "progress"
+    return group.stream
+
+
 def pane_html(lines: list[Group], dropped: int, shown: int, labelled: bool) -> str:
     """A static scrolling log: the last ``shown`` lines, a note of the rest."""
     hidden = dropped + max(0, len(lines) - shown)
     body = "".join(
         (
-            f"<span style='color:#b71c1c'>{esc(text)}</span>\n"
-            if g.stream == "stderr"
+            f"<span style='color:{T.STDERR}'>{esc(text)}</span>\n"
+            if shown_stream(g) == "stderr"
             else esc(text) + "\n"
         )
         for g in lines[-shown:]
         for text in [f"[{rank_set(g.ranks)}] {g.text}" if labelled else g.text]
     )
     note = (
-        f"<div class='nbddp-dropped' style='color:#888'>… {hidden} earlier lines not shown</div>"
+        f"<div class='nbddp-dropped' style='color:{T.MUTED}'>"
+        f"… {hidden} earlier lines not shown</div>"
         if hidden
         else ""
     )
-    # column-reverse keeps the scroll at the bottom: the tail is always visible
+    # opens at its top: its first line and the note of what came before in view
     return (
-        "<div class='nbddp-pane' style='max-height:320px;overflow-y:auto;display:flex;"
-        "flex-direction:column-reverse'><div>"
+        "<div class='nbddp-pane' style='max-height:320px;overflow-y:auto'>"
         + note
-        + "<pre style='margin:0;white-space:pre-wrap'>"
+        + f"<pre style='margin:0;white-space:pre-wrap;{T.CODE_FONT}'>"
         + body
-        + "</pre></div></div>"
+        + "</pre></div>"
     )
 
 

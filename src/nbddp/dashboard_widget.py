@@ -8,6 +8,8 @@ import contextlib
 import sys
 from pathlib import Path
 
+from .theme import LIVE_CSS
+
 __all__ = ["flush_only_pending", "new_widget"]
 
 _WIDGET_CLASS = None
@@ -33,6 +35,7 @@ def _widget_class():
         # declared on the class, not added per instance as AnyWidget.__init__ does
         # (add_traits makes a class for every widget: 1.7 ms a cell, measured)
         _esm = t.Unicode(Path(__file__).with_name("dashboard.js").read_text()).tag(sync=True)
+        _css = t.Unicode(LIVE_CSS).tag(sync=True)  # nbddp.theme: colours from the theme's
         _anywidget_id = t.Unicode("nbddp.dashboard.DashboardWidget").tag(sync=True)
         ranks = t.List(t.Int()).tag(sync=True)
         header = t.Unicode().tag(sync=True)

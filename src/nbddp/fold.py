@@ -29,10 +29,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from . import protocol as P
 
-__all__ = ["Folder", "Group", "Lines", "rank_set"]
+__all__ = ["Folder", "Group", "Lines", "is_progress", "rank_set"]
 
 # tqdm's default layout: "desc: 100%|█████| 10/10 [00:01<00:00,  9.81it/s]"
 _TQDM = re.compile(r"^(.*?\d+%\|.*\|\s*\S+/\S+)\s+\[[^\]]*\]\s*$")
+
+
+# tqdm with no total: "45it [00:01, 30.12it/s]"
+_TQDM_OPEN = re.compile(r"^.*\d+(?:\.\d+)?[kMG]?it \[[^\]]*(?:it/s|s/it)[^\]]*\]\s*$")
+
+
+def is_progress(line: str) -> bool:
+    """A tqdm bar: tqdm writes to stderr, and a bar is progress, not an error."""
+    return bool(_TQDM.match(line) or _TQDM_OPEN.match(line))
 
 
 _NEVER = 1 << 62  # no live rank: every group is settled
