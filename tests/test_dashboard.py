@@ -88,12 +88,13 @@ def test_identical_lines_fold_and_lines_that_differ_keep_their_ranks(n):
     sink, out, err = make()
     running(sink, range(n))
     for rank in range(n):
-        sink.handle(P.Output(rank, "stdout", f"epoch 1 loss 0.25\nrank {rank} is here\n"))
+        own = "abcdefgh"[rank]
+        sink.handle(P.Output(rank, "stdout", f"epoch 1 loss 0.25\nrank {own} is here\n"))
     sink.handle(P.Output(0, "stderr", "a warning\n"))
     sink.close(end())
     assert out.getvalue().splitlines() == [
         f"[ranks 0-{n - 1}] epoch 1 loss 0.25",
-        *(f"[rank {r}] rank {r} is here" for r in range(n)),
+        *(f"[rank {r}] rank {'abcdefgh'[r]} is here" for r in range(n)),
     ]
     assert err.getvalue() == "[rank 0] a warning\n"
 
@@ -269,12 +270,14 @@ def test_nbddp_progress_shows_as_a_bar_in_the_row():
 
 
 def test_the_live_output_is_the_widget_with_a_static_summary_beside_it():
-    d, _ = dashboard()
-    d.handle(P.Output(0, "stdout", "hello from 0\n"))
-    d.handle(P.Output(1, "stdout", "hello from 1\n"))
+    d, clock = dashboard()
+    d.handle(P.Output(0, "stdout", "hello from zero\n"))
+    d.handle(P.Output(1, "stdout", "hello from one\n"))
+    clock.t += 1.0  # lines that differ wait the window (a rank may still print them)
+    d.handle(P.Tick())
     bundle = d.bundle()
     assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == d.widget.model_id
-    assert "hello from 0" in bundle["text/html"]
+    assert "hello from zero" in bundle["text/html"]
     d.close(None)
 
 
@@ -286,16 +289,16 @@ def test_a_finished_cell_is_frozen_to_static_html_and_its_widget_closed():
     d, _ = dashboard()
     assert len(_instances) == before + 1  # one model per cell
     start(d, (0, 1))
-    d.handle(P.Output(0, "stdout", "hello from 0\n"))
-    d.handle(P.Output(1, "stdout", "hello from 1\n"))
+    d.handle(P.Output(0, "stdout", "hello from zero\n"))
+    d.handle(P.Output(1, "stdout", "hello from one\n"))
     d.handle(P.RankState(1, "failed"))
     d.close(P.CellEnd(1, (0, 1), errors={1: P.ErrorInfo("E", "m", "tb")}))
     assert len(_instances) == before  # nothing accumulates across cells
     bundle = d.frozen_bundle()
     assert set(bundle) == {"text/plain", "text/html"}  # no widget state is saved
     html = bundle["text/html"]
-    assert "[0] hello from 0" in html
-    assert "[1] hello from 1" in html
+    assert "[0] hello from zero" in html
+    assert "[1] hello from one" in html
     # the failed rank's log is open, the all-ranks log closed; its row red
     assert "<details class='nbddp-log' data-rank='1' open><summary>rank 1 log (1 line)<" in html
     assert "<details class='nbddp-log nbddp-log-all'><summary>all ranks log (2 lines)<" in html

@@ -172,8 +172,9 @@ def progress_html(p: P.RankProgress | None) -> str:
     return f"<span class='nbddp-progress'>{bar}{desc}{count}</span>"
 
 
-def pane_html(lines: list[Group], dropped: int, shown: int, labelled: bool) -> str:
-    """A static scrolling log: the last ``shown`` lines, a note of the rest."""
+def pane_html(lines: list[Group], dropped: int, shown: int, rank: int | None) -> str:
+    """A static scrolling log: the last ``shown`` lines (every rank's, folded and labelled;
+    or ``rank``'s own), a note of the rest."""
     hidden = dropped + max(0, len(lines) - shown)
     body = "".join(
         (
@@ -182,7 +183,7 @@ def pane_html(lines: list[Group], dropped: int, shown: int, labelled: bool) -> s
             else esc(text) + "\n"
         )
         for g in lines[-shown:]
-        for text in [f"[{rank_set(g.ranks)}] {g.text}" if labelled else g.text]
+        for text in [f"[{rank_set(g.ranks)}] {g.text}" if rank is None else g.line_of(rank)]
     )
     note = (
         f"<div class='nbddp-dropped' style='color:#888'>… {hidden} earlier lines not shown</div>"
@@ -205,7 +206,7 @@ def all_log_html(log: deque[Group], dropped: int, tail: int, failed: bool) -> st
     return (
         f"<details class='nbddp-log nbddp-log-all'{'' if failed else ' open'}>"
         f"<summary>all ranks log ({_lines(len(log) + dropped)})</summary>"
-        + pane_html(list(log), dropped, tail, labelled=True)
+        + pane_html(list(log), dropped, tail, None)
         + "</details>"
     )
 
@@ -222,7 +223,7 @@ def own_logs_html(views: Views, ranks: list[int], tail: int) -> str:
         parts.append(
             f"<details class='nbddp-log' data-rank='{rank}'{' open' if bad else ''}>"
             f"<summary>rank {rank} log ({_lines(view.count)})</summary>"
-            + pane_html(list(view.lines), dropped, tail * 3 if bad else tail, False)
+            + pane_html(list(view.lines), dropped, tail * 3 if bad else tail, rank)
             + "</details>"
         )
     return "".join(parts)
