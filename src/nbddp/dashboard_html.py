@@ -145,7 +145,7 @@ def _row_html(rank: int, view: RankView, host: str | None, now: float) -> str:
     return (
         f"<tr class='nbddp-row nbddp-{view.state}' data-rank='{rank}' style='{style}'>"
         f"<td style='padding:1px 8px'>rank {rank}{host_html}</td>"
-        f"<td style='padding:1px 8px;color:{colour};font-weight:bold'>{shown}</td>"
+        f"<td style='padding:1px 8px;color:{colour};font-weight:bold'>{esc(shown)}</td>"
         "<td style='padding:1px 8px;text-align:right'>"
         f"{'' if elapsed is None else f'{elapsed:.1f} s'}</td>"
         f"<td style='padding:1px 8px'>{progress_html(view.progress)}</td>"
@@ -178,12 +178,13 @@ def pane_html(lines: list[Group], dropped: int, shown: int, rank: int | None) ->
     hidden = dropped + max(0, len(lines) - shown)
     body = "".join(
         (
-            f"<span style='color:#b71c1c'>{esc(text)}</span>\n"
+            f"<span style='color:#b71c1c'{title}>{esc(text)}</span>\n"
             if g.stream == "stderr"
-            else esc(text) + "\n"
+            else (f"<span{title}>{esc(text)}</span>\n" if title else esc(text) + "\n")
         )
         for g in lines[-shown:]
         for text in [f"[{rank_set(g.ranks)}] {g.text}" if rank is None else g.line_of(rank)]
+        for title in [_title(g.detail) if rank is None else ""]
     )
     note = (
         f"<div class='nbddp-dropped' style='color:#888'>… {hidden} earlier lines not shown</div>"
@@ -199,6 +200,11 @@ def pane_html(lines: list[Group], dropped: int, shown: int, rank: int | None) ->
         + body
         + "</pre></div></div>"
     )
+
+
+def _title(detail: str) -> str:
+    """A folded line's values, each rank's, shown when it is pointed at."""
+    return f" class='nbddp-folded' title='{html.escape(detail, quote=True)}'" if detail else ""
 
 
 def all_log_html(log: deque[Group], dropped: int, tail: int, failed: bool) -> str:
