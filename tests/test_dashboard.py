@@ -208,7 +208,10 @@ def test_the_live_log_is_folded_with_rank_sets_and_streams_told_apart(n):
     d.handle(P.Output(n - 1, "stderr", "err\n"))
     clock.t = 1.0
     d.handle(P.Tick())
-    assert d.widget.lines == [[f"0-{n - 1}", "stdout", "hello"], [str(n - 1), "stderr", "err"]]
+    assert d.widget.lines == [
+        [f"0-{n - 1}", "stdout", "hello", ""],
+        [str(n - 1), "stderr", "err", ""],
+    ]
     d.close(P.CellEnd(1, tuple(range(n))))
 
 
@@ -233,7 +236,7 @@ def test_the_live_log_keeps_a_bounded_tail_and_counts_the_rest():
     d.handle(P.Output(0, "stdout", "more\n"))
     assert len(d.widget.lines) == Dashboard.LIVE_LINES
     assert d.widget.hidden == 1001 - Dashboard.LIVE_LINES
-    assert d.widget.lines[-1] == ["0", "stdout", "more"]
+    assert d.widget.lines[-1] == ["0", "stdout", "more", ""]
     d.close(None)
 
 
@@ -365,7 +368,7 @@ def test_a_large_pool_shows_counts_the_slowest_and_only_the_rows_that_differ(n):
     shown = [int(r.split("'")[0]) for r in rows.split("data-rank='")[1:]]
     assert {5, n - 1} <= set(shown)
     assert len(shown) <= Dashboard.ROWS
-    assert d.widget.lines == [[f"0-{n - 1}", "stdout", "step 1"]]
+    assert d.widget.lines == [[f"0-{n - 1}", "stdout", "step 1", ""]]
     d.close(P.CellEnd(1, tuple(range(n)), errors={n - 1: P.ErrorInfo("E", "m", "tb")}))
     html = d.frozen_bundle()["text/html"]
     assert html.count("<details class='nbddp-log' data-rank=") <= Dashboard.ROWS
