@@ -91,3 +91,22 @@ def test_the_training_cell_folds_live_frozen_and_in_text_and_no_fold_keeps_each_
     for rank in range(4):
         assert f"[rank {rank}] training done" in text
         assert re.search(rf"^\[rank {rank}\] rank {rank} epoch 1 loss [\d.]+$", text, re.M)
+
+
+def test_one_error_on_every_rank_is_one_traceback_and_another_error_stays_apart(kernel):
+    _, kc = kernel
+    assert run(kc, "%load_ext nbddp")[0] is None
+    error, _, _ = run(kc, "%%ddp -n 4 --text\nx = 1\nprint(undefined_name)")
+    assert error["ename"] == "CellFailed"
+    shown = "\n".join(error["traceback"])
+    assert error["evalue"] == "ranks 0-3: NameError: name 'undefined_name' is not defined"
+    assert shown.count("NameError: name 'undefined_name' is not defined") == 2, shown  # tb, end
+    assert "--- ranks 0-3 ---" in shown
+    code = "%%ddp --text\nif rank == 2:\n    raise ValueError('first')\n"
+    code += "import time; time.sleep(0.3)\n{}[rank]"
+    error, _, _ = run(kc, code)
+    first, then = error["evalue"].splitlines()
+    assert first == "rank 2: ValueError: first"  # the root cause first, apart
+    assert re.fullmatch(
+        r"ranks 0, 1, 3: KeyError: (\d) \(rank \1's message; the others' differ\)", then
+    )
