@@ -151,3 +151,19 @@ def test_different_errors_stay_apart_the_root_cause_first():
     assert heads == ["--- rank 2 ---", "--- ranks 0, 1, 3 ---", "--- rank 4 ---"]
     died = CellFailed([RankDied(1, -9, when=1.0), RankDied(3, -9, when=1.1)])
     assert str(died) == "ranks 1, 3 died (killed by SIGKILL)"
+
+
+def test_the_note_on_a_reformed_group_names_the_collective_the_failure_message_names():
+    """rank 2 failed; ranks 0, 1, 3 were freed from all_reduce before a stack of theirs was
+    seen: the note says all_reduce too (it said 'maybe in a collective')."""
+    from types import SimpleNamespace
+
+    from nbddp.recovery import collectives_of
+
+    sup = SimpleNamespace(aborted_running=[0, 1, 3], waiting_in=lambda rank: None)
+    freed = P.ErrorInfo("RuntimeError", GLOO, "tb", collective="all_reduce")
+    errors = {0: freed, 1: freed, 3: freed, 2: P.ErrorInfo("ValueError", "x", "tb")}
+    out = SimpleNamespace(errors=errors)
+    assert collectives_of(sup, out) == ["all_reduce"]
+    sup.waiting_in = lambda rank: "barrier" if rank == 0 else None
+    assert collectives_of(sup, out) == ["all_reduce", "barrier"]

@@ -102,6 +102,9 @@ def test_one_error_on_every_rank_is_one_traceback_and_another_error_stays_apart(
     assert error["evalue"] == "ranks 0-3: NameError: name 'undefined_name' is not defined"
     assert shown.count("NameError: name 'undefined_name' is not defined") == 2, shown  # tb, end
     assert "--- ranks 0-3 ---" in shown
+    # the cell as the notebook shows it: In [N], the %%ddp line counted
+    assert re.search(r'File "In \[\d+\]", line 3, in <module>', shown), shown
+    assert "ddp-cell" not in shown
     code = "%%ddp --text\nif rank == 2:\n    raise ValueError('first')\n"
     code += "import time; time.sleep(0.3)\n{}[rank]"
     error, _, _ = run(kc, code)

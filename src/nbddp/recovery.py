@@ -90,8 +90,8 @@ def reform(pool, sup, out, quiet: bool = False):
     if quiet:
         return
     stopped = [r for r in out.done if r not in sup.aborted_running]
-    waits = sorted({w for r in sup.aborted_running if (w := sup.waiting_in(r))})
-    how = f"waiting in {', '.join(waits)}" if waits else "maybe in a collective"
+    waits = collectives_of(sup, out)
+    how = f"waiting in {', '.join(waits)}" if waits else "in a collective"
     what = (
         f"{S.rank_set(stopped)} had stopped while {S.rank_set(sup.aborted_running)} "
         f"still ran ({how})"
@@ -103,6 +103,15 @@ def reform(pool, sup, out, quiet: bool = False):
         f"{time.monotonic() - t0:.2f} s. "
         f"Every rank kept its namespace; {STALE}" + _rebuilt(pool)
     )
+
+
+def collectives_of(sup, out) -> list[str]:
+    """The collectives the ranks still running were in: where their stacks were seen, or
+    what their errors came out of (the failure message names the same calls)."""
+    running = sup.aborted_running
+    seen = {w for r in running if (w := sup.waiting_in(r))}
+    seen |= {e.collective for r, e in out.errors.items() if r in running and e.collective}
+    return sorted(seen)
 
 
 def _rebuilt(pool) -> str:
