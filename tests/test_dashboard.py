@@ -386,3 +386,19 @@ def test_a_dashboard_is_one_model_whatever_the_number_of_ranks():
         assert len(_instances) - before == 1
         d.close(P.CellEnd(1, tuple(range(n))))
         assert len(_instances) == before
+
+
+@pytest.mark.parametrize("n", [2, 3, 8, 40])
+def test_nbddp_progress_of_ranks_at_different_speeds_folds_into_one_bar(n):
+    d, clock = dashboard(ranks=range(n))
+    start(d, range(n))
+    clock.t = 1.0
+    for rank in range(n):
+        d.handle(P.RankProgress(rank, 60 if rank != 1 else 45, 100, "train"))
+    d._render(force=True)
+    rows = d.widget.rows
+    assert rows.count("nbddp-bar") == 1  # one bar, not one per rank
+    assert "width:45%" in rows
+    assert f"({n} ranks; slowest: rank 1; the others up to 60)" in rows
+    assert "train 45/100" in rows
+    d.close(None)

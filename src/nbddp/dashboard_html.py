@@ -85,9 +85,27 @@ def header_html(shown: int, world_size: int, facts: tuple[str, ...], elapsed: fl
 
 def rows_html(views: Views, hosts: dict[int, str], now: float, rows: int) -> str:
     """A row per rank; for more than ``rows`` ranks, the summary and the rows worth a look."""
+    folded = folded_progress_html(views)
     if len(views) <= rows:
-        return table_html(views, sorted(views), hosts, now)
-    return summary_line(views, now) + table_html(views, notable(views, now, rows), hosts, now)
+        return folded + table_html(views, sorted(views), hosts, now, bars=not folded)
+    shown = notable(views, now, rows)
+    return summary_line(views, now) + folded + table_html(views, shown, hosts, now, bars=False)
+
+
+def folded_progress_html(views: Views) -> str:
+    """Every rank's ``nbddp.progress`` as one bar: the slowest rank's, with how far the
+    others got ('' for fewer than two ranks with a bar)."""
+    progress = [(r, v.progress) for r, v in views.items() if v.progress is not None]
+    if len(progress) < 2:
+        return ""
+    rank, slow = min(progress, key=lambda rp: (rp[1].done / (rp[1].total or 1), rp[0]))
+    fast = max(p.done for _, p in progress)
+    spread = f"; the others up to {fast}" if fast != slow.done else ""
+    return (
+        f"<div class='nbddp-progress-all'>{progress_html(slow)} "
+        f"<span style='color:#888'>({len(progress)} ranks; slowest: rank {rank}{spread})</span>"
+        "</div>"
+    )
 
 
 def summary_line(views: Views, now: float) -> str:
@@ -99,15 +117,9 @@ def summary_line(views: Views, now: float) -> str:
     )
     slow = slowest(views, now, 3)
     slowest_ = ", ".join(f"rank {r} ({views[r].elapsed(now):.1f} s)" for r in slow)
-    progress = [(r, v.progress) for r, v in views.items() if v.progress is not None]
-    behind = ""
-    if progress:
-        r, p = min(progress, key=lambda rp: (rp[1].done / (rp[1].total or 1), rp[0]))
-        behind = f" · furthest behind: rank {r} {progress_html(p)}"
     return (
         f"<div class='nbddp-counts'>{shown}"
         + (f" · slowest: {slowest_}" if slowest_ else "")
-        + behind
         + "</div>"
     )
 
@@ -128,15 +140,18 @@ def notable(views: Views, now: float, rows: int) -> list[int]:
     return sorted(shown[:rows])
 
 
-def table_html(views: Views, ranks: list[int], hosts: dict[int, str], now: float) -> str:
+def table_html(
+    views: Views, ranks: list[int], hosts: dict[int, str], now: float, bars: bool = True
+) -> str:
+    """The rows of ``ranks``; ``bars=False``: progress as counts (one folded bar above)."""
     return (
         "<table class='nbddp-ranks' style='border-collapse:collapse;font-size:90%'>"
-        + "".join(_row_html(rank, views[rank], hosts.get(rank), now) for rank in ranks)
+        + "".join(_row_html(rank, views[rank], hosts.get(rank), now, bars) for rank in ranks)
         + "</table>"
     )
 
 
-def _row_html(rank: int, view: RankView, host: str | None, now: float) -> str:
+def _row_html(rank: int, view: RankView, host: str | None, now: float, bars: bool) -> str:
     shown = view.state_text(now)
     colour = _colour(shown)
     style = "background:#fde7e7;" if view.state in FAILED_STATES else ""
@@ -148,16 +163,19 @@ def _row_html(rank: int, view: RankView, host: str | None, now: float) -> str:
         f"<td style='padding:1px 8px;color:{colour};font-weight:bold'>{esc(shown)}</td>"
         "<td style='padding:1px 8px;text-align:right'>"
         f"{'' if elapsed is None else f'{elapsed:.1f} s'}</td>"
-        f"<td style='padding:1px 8px'>{progress_html(view.progress)}</td>"
+        f"<td style='padding:1px 8px'>{progress_html(view.progress, bars)}</td>"
         "<td style='padding:1px 8px;font-family:monospace;max-width:60ch;"
         "overflow:hidden;text-overflow:ellipsis;white-space:nowrap'>"
         f"{esc(view.last[-300:])}</td></tr>"
     )
 
 
-def progress_html(p: P.RankProgress | None) -> str:
+def progress_html(p: P.RankProgress | None, bar: bool = True) -> str:
     if p is None:
         return ""
+    if not bar:
+        total = f"/{p.total}" if p.total else ""
+        return f"<span class='nbddp-progress'>{p.done}{total}</span>"
     if p.total:
         pct = min(100.0, 100.0 * p.done / p.total)
         bar = (
