@@ -58,7 +58,8 @@ class Group:
         self.seq, self.key, self.stream, self.text, self.born = seq, key, stream, text, born
         self.ranks: list[int] = ranks if ranks is not None else []
         self.values: list = []  # per rank: its numbers, or its line (a bar)
-        self.nexts: list[Group] = []  # the groups its ranks printed next (while it waits)
+        # the groups its ranks printed next (while it waits), each once: id -> group
+        self.nexts: dict[int, Group] = {}
         self.npred = 0  # groups before it still waiting
         self.order = 0  # its step: above every group before it
         self.at = 0  # running ranks whose last line it is
@@ -269,7 +270,7 @@ class Folder:
             return False
         stack, seen = [start], {id(start)}
         while stack:
-            for group in stack.pop().nexts:
+            for group in stack.pop().nexts.values():
                 if group is goal:
                     return True
                 if group.order < goal.order and id(group) not in seen:
@@ -290,7 +291,7 @@ class Folder:
         if prev is not None:  # a step after the rank's last (out or not: steps stay put)
             group.order = prev.order + 1
         if prev is not None and not prev.out:
-            prev.nexts.append(group)
+            prev.nexts[id(group)] = group
             group.npred = 1
         else:
             heapq.heappush(self._ready, (group.order, rank, group.seq, group))
@@ -298,14 +299,16 @@ class Folder:
 
     def _after(self, prev: Group, group: Group) -> None:
         """``group`` comes after ``prev`` from now on: steps raised where they must be."""
-        prev.nexts.append(group)
+        if id(group) in prev.nexts:  # another rank went the same way: nothing new
+            return
+        prev.nexts[id(group)] = group
         group.npred += 1
         stack = [(group, prev.order + 1)]
         while stack:
             g, order = stack.pop()
             if g.order < order:
                 g.order = order
-                stack.extend((n, order + 1) for n in g.nexts)
+                stack.extend((n, order + 1) for n in g.nexts.values())
 
     def expect(self, rank: int) -> None:
         """``rank`` runs from now on: lines wait for it (or the window)."""
@@ -363,13 +366,15 @@ class Folder:
         """Has every running rank printed ``group`` or a line after it? (Past SEARCH
         groups: not yet; the window lets it go.)"""
         need = len(self._last)
+        if group.at >= need:  # every running rank's last line (the usual shared line)
+            return True
         stack, seen, count = [group], {id(group)}, 0
         while stack:
             g = stack.pop()
             count += g.at
             if count >= need:
                 return True
-            for n in g.nexts:
+            for n in g.nexts.values():
                 if id(n) not in seen:
                     if len(seen) > SEARCH:
                         return False
@@ -386,10 +391,10 @@ class Folder:
             del self._by_key[(group.stream, group.key)]
         else:
             same.remove(group)
-        for n in group.nexts:
+        for n in group.nexts.values():
             n.npred -= 1
             if not n.npred:
                 heapq.heappush(self._ready, (n.order, n.low, n.seq, n))
-        group.nexts = []
+        group.nexts = {}
         group.settle_text()
         return group
