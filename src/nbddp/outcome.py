@@ -75,6 +75,7 @@ class Outcome:
         self.values: dict[int, object] = {}
         self.errors: dict[int, P.ErrorInfo] = {}
         self.exits: dict[int, P.RankExit] = {}
+        self.code = ""  # the cell's source: a SIGKILL it sends itself is not the OOM killer's
 
     def finish(self, rank: int) -> list:
         """The rank's outcome is complete: its events."""
