@@ -327,3 +327,13 @@ def test_events_fold_as_the_same_whole_lines_do(seed):
             got += by_events.output(P.Output(r, "stdout", text[a:b]))
     got += by_events.flush()
     assert lines(got) == lines(expected)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_out_shows_once_with_its_rank_set_after_lines_of_each_ranks_own(n):
+    f, out = Folder(range(n), clock=Clock()), []
+    for rank in reversed(range(n)):
+        out += f.output(P.Output(rank, "stdout", f"{'abcdefgh'[rank]} is here\n"))
+        out += f.result(P.RankResult(rank, "tensor([1., 2.])"))
+    out += f.flush()
+    assert lines(out)[n:] == [(f"ranks 0-{n - 1}", "Out: tensor([1., 2.])")]
