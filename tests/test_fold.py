@@ -337,3 +337,12 @@ def test_out_shows_once_with_its_rank_set_after_lines_of_each_ranks_own(n):
         out += f.result(P.RankResult(rank, "tensor([1., 2.])"))
     out += f.flush()
     assert lines(out)[n:] == [(f"ranks 0-{n - 1}", "Out: tensor([1., 2.])")]
+
+
+def test_lines_of_long_digit_runs_fold_without_a_huge_integer():
+    f, out = Folder(range(2)), []
+    for rank in range(2):
+        out += f.feed(rank, "stdout", str(rank + 1) * 20_000, 0.0)
+    assert len(out) == 1
+    assert out[0].text.startswith("{" + "1" * 24 + ".." + "2" * 24 + "}")
+    assert out[0].detail.startswith("# lowest " + "1" * 24 + " on rank 0")

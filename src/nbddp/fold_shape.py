@@ -19,7 +19,9 @@ __all__ = ["bar", "detail", "rank_set", "render", "shape"]
 
 # tqdm's default layout: "desc: 100%|█████| 10/10 [00:01<00:00,  9.81it/s]"
 _BAR = re.compile(r"^(?P<desc>.*?)\s*\d+%\|.*\|\s*(?P<n>[\d.]+[kMG]?)/(?P<total>\S+)(?:\s.*)?$")
-_NUMBER = re.compile(r"(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)")
+# a number: at most 24 digits a part (a longer run of digits is several numbers: int() and
+# float() of each stay cheap and within Python's limits)
+_NUMBER = re.compile(r"(-?\d{1,24}(?:\.\d{1,24})?(?:[eE][-+]?\d{1,3})?)")
 SET_MAX = 24  # characters of an integer set shown in a line; more: its range
 DETAIL_RANKS = 64  # ranks whose values the detail lists, at most
 
