@@ -50,7 +50,7 @@ class Group:
     numbers (a bar: each one's line); ``text`` is the folded line once it came out."""
 
     __slots__ = (
-        "at", "born", "key", "low", "nexts", "npred", "order", "out", "ranks", "seq",
+        "at", "born", "key", "low", "nexts", "npred", "order", "out", "ranks", "said", "seq",
         "stream", "text", "values",
     )  # fmt: skip
 
@@ -65,6 +65,7 @@ class Group:
         self.at = 0  # running ranks whose last line it is
         self.low = ranks[0] if ranks else 1 << 62  # its lowest rank
         self.out = False
+        self.said: str | None = None  # its detail, once asked (a group out does not change)
 
     @property
     def label(self) -> str:
@@ -78,28 +79,29 @@ class Group:
         """Each rank's numbers where they differ, the extremes named first ('' if none)."""
         if len(self.ranks) < 2 or not self.values or not isinstance(self.values[0], tuple):
             return ""
-        return detail(self.key, self.values, self.ranks)
+        if self.said is None or not self.out:
+            self.said = detail(self.key, self.values, self.ranks)
+        return self.said
 
     def each(self) -> list[tuple[int, str]]:
         """Every rank's own line, as it printed it."""
+        return [(rank, self._own(i)) for i, rank in enumerate(self.ranks)]
+
+    def _own(self, i: int) -> str:
+        values = self.values[i] if self.values else ()
+        if isinstance(values, str) or not values:
+            return values or self.key
         pieces = self.key.split("\x00")
-        out = []
-        for rank, values in zip(self.ranks, self.values or [()] * len(self.ranks), strict=True):
-            if isinstance(values, str) or not values:
-                out.append((rank, values or self.key))
-                continue
-            line = [pieces[0]]
-            for value, piece in zip(values, pieces[1:], strict=True):
-                line += [value, piece]
-            out.append((rank, "".join(line)))
-        return out
+        line = [pieces[0]]
+        for value, piece in zip(values, pieces[1:], strict=True):
+            line += [value, piece]
+        return "".join(line)
 
     def line_of(self, rank: int) -> str:
         """``rank``'s own line (the folded line if it did not print this one)."""
-        for r, line in self.each() if len(self.ranks) > 1 else ():
-            if r == rank:
-                return line
-        return self.text
+        if len(self.ranks) < 2 or rank not in self.ranks:
+            return self.text
+        return self._own(self.ranks.index(rank))
 
     def settle_text(self) -> None:
         """The line as shown: the shape with the ranks' numbers, or the slowest bar."""
