@@ -577,6 +577,66 @@ FAILURES = [
 ]
 
 
+FOLDED = [
+    new_markdown_cell(
+        "# Many ranks at a glance: folded output\n\n"
+        "A line that several ranks print shows once, with its rank set: `[ranks 0-3] epoch 0 "
+        "finished`. Lines that differ only in their numbers fold into one with their values: "
+        "`rank {0-3} epoch 0 loss {0.6121..0.7310}` (in the dashboard, point at the line for "
+        "each rank's values, the ranks with the extremes named first). Each rank's own lines "
+        "keep their order, and the lines of one step read in rank order. `--no-fold` shows "
+        "every rank's line."
+    ),
+    new_code_cell("%load_ext nbddp"),
+    new_markdown_cell(
+        "A small CNN trained with DDP on 4 CPU ranks. Each rank prints its own loss line and a "
+        "line of its own, then a line every rank prints; a tqdm bar runs on each rank, at "
+        "different speeds (rank 3 is the slowest): the bars fold into one, the slowest rank's, "
+        "with how far the others got."
+    ),
+    new_code_cell(
+        "%%ddp -n 4 --text\n"
+        "import time\n"
+        "import torch, torch.nn as nn\n"
+        "from tqdm import tqdm\n"
+        "torch.manual_seed(rank)\n"
+        "net = nn.parallel.DistributedDataParallel(\n"
+        "    nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 2))\n"
+        ")\n"
+        "opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+        "for epoch in range(2):\n"
+        "    x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 2, (16,))\n"
+        "    loss = nn.functional.cross_entropy(net(x), y)\n"
+        "    opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    print(f'rank {rank} epoch {epoch} loss {loss.item():.4f}')\n"
+        "    print(('ant', 'bee', 'cat', 'dog')[rank], 'checked its batch')\n"
+        "    print(f'epoch {epoch} finished')\n"
+        "for i in tqdm(range(20 if rank != 3 else 12), desc='eval', ncols=70):\n"
+        "    time.sleep(0.01)\n"
+        "print('training done')"
+    ),
+    new_markdown_cell(
+        "The same cell as the dashboard shows it (the default in a notebook): the log of every "
+        "rank folded, each rank's own log with its own lines, and `nbddp.progress` across "
+        "ranks as one bar."
+    ),
+    new_code_cell(
+        "%%ddp\n"
+        "import nbddp, time\n"
+        "for step in nbddp.progress(range(40 + 4 * rank), desc='steps'):\n"
+        "    time.sleep(0.005)\n"
+        "print(f'rank {rank} took {40 + 4 * rank} steps')\n"
+        "print('steps done')"
+    ),
+    new_markdown_cell(
+        "One error on every rank is one traceback, headed by its rank set; the line numbers "
+        "are the cell's, the `%%ddp` line counted."
+    ),
+    raises("%%ddp\nx = 1\nprint(undefined_name)"),
+    new_code_cell("%ddp stop"),
+]
+
+
 def write(name: str, cells: list) -> None:
     nb = new_notebook(cells=cells)
     nb.metadata["kernelspec"] = {
@@ -593,6 +653,7 @@ NOTEBOOKS = {
     "03-fsdp2-transformer.ipynb": FSDP_TRANSFORMER,
     "04-tensor-parallel.ipynb": TENSOR_PARALLEL,
     "05-failures.ipynb": FAILURES,
+    "06-folded-output.ipynb": FOLDED,
     "10-accelerate.ipynb": ACCELERATE,
     "11-lightning.ipynb": LIGHTNING,
     "12-transformers.ipynb": TRANSFORMERS,

@@ -292,7 +292,7 @@ def test_log_dir_tee_and_error_files_through_the_magics(tmp_path, capsys):
         assert shell.run_cell(f"%ddp start -n 2 --log-dir {logs} --tee 0").success
         capsys.readouterr()
         result = shell.run_cell(
-            "%%ddp --text\nimport sys\nprint('hello from', rank)\n"
+            "%%ddp --text --no-fold\nimport sys\nprint('hello from', rank)\n"
             "print('warn', rank, file=sys.stderr)\nif rank == 1:\n    raise ValueError('boom')"
         )
         shown = capsys.readouterr()

@@ -90,12 +90,13 @@ def test_identical_lines_fold_and_lines_that_differ_keep_their_ranks(n):
     sink, out, err = make()
     running(sink, range(n))
     for rank in range(n):
-        sink.handle(P.Output(rank, "stdout", f"epoch 1 loss 0.25\nrank {rank} is here\n"))
+        own = "abcdefgh"[rank]
+        sink.handle(P.Output(rank, "stdout", f"epoch 1 loss 0.25\nrank {own} is here\n"))
     sink.handle(P.Output(0, "stderr", "a warning\n"))
     sink.close(end())
     assert out.getvalue().splitlines() == [
         f"[ranks 0-{n - 1}] epoch 1 loss 0.25",
-        *(f"[rank {r}] rank {r} is here" for r in range(n)),
+        *(f"[rank {r}] rank {'abcdefgh'[r]} is here" for r in range(n)),
     ]
     assert err.getvalue() == "[rank 0] a warning\n"
 
@@ -209,7 +210,10 @@ def test_the_live_log_is_folded_with_rank_sets_and_streams_told_apart(n):
     d.handle(P.Output(n - 1, "stderr", "err\n"))
     clock.t = 1.0
     d.handle(P.Tick())
-    assert d.widget.lines == [[f"0-{n - 1}", "stdout", "hello"], [str(n - 1), "stderr", "err"]]
+    assert d.widget.lines == [
+        [f"0-{n - 1}", "stdout", "hello", ""],
+        [str(n - 1), "stderr", "err", ""],
+    ]
     d.close(P.CellEnd(1, tuple(range(n))))
 
 
@@ -234,7 +238,7 @@ def test_the_live_log_keeps_a_bounded_tail_and_counts_the_rest():
     d.handle(P.Output(0, "stdout", "more\n"))
     assert len(d.widget.lines) == Dashboard.LIVE_LINES
     assert d.widget.hidden == 1001 - Dashboard.LIVE_LINES
-    assert d.widget.lines[-1] == ["0", "stdout", "more"]
+    assert d.widget.lines[-1] == ["0", "stdout", "more", ""]
     d.close(None)
 
 
@@ -271,12 +275,14 @@ def test_nbddp_progress_shows_as_a_bar_in_the_row():
 
 
 def test_the_live_output_is_the_widget_with_a_static_summary_beside_it():
-    d, _ = dashboard()
-    d.handle(P.Output(0, "stdout", "hello from 0\n"))
-    d.handle(P.Output(1, "stdout", "hello from 1\n"))
+    d, clock = dashboard()
+    d.handle(P.Output(0, "stdout", "hello from zero\n"))
+    d.handle(P.Output(1, "stdout", "hello from one\n"))
+    clock.t += 1.0  # lines that differ wait the window (a rank may still print them)
+    d.handle(P.Tick())
     bundle = d.bundle()
     assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == d.widget.model_id
-    assert "hello from 0" in bundle["text/html"]
+    assert "hello from zero" in bundle["text/html"]
     d.close(None)
 
 
@@ -288,16 +294,16 @@ def test_a_finished_cell_is_frozen_to_static_html_and_its_widget_closed():
     d, _ = dashboard()
     assert len(_instances) == before + 1  # one model per cell
     start(d, (0, 1))
-    d.handle(P.Output(0, "stdout", "hello from 0\n"))
-    d.handle(P.Output(1, "stdout", "hello from 1\n"))
+    d.handle(P.Output(0, "stdout", "hello from zero\n"))
+    d.handle(P.Output(1, "stdout", "hello from one\n"))
     d.handle(P.RankState(1, "failed"))
     d.close(P.CellEnd(1, (0, 1), errors={1: P.ErrorInfo("E", "m", "tb")}))
     assert len(_instances) == before  # nothing accumulates across cells
     bundle = d.frozen_bundle()
     assert set(bundle) == {"text/plain", "text/html"}  # no widget state is saved
     html = bundle["text/html"]
-    assert "[0] hello from 0" in html
-    assert "[1] hello from 1" in html
+    assert "[0] hello from zero" in html
+    assert "[1] hello from one" in html
     # the failed rank's log is open, the all-ranks log closed; its row red
     assert "<details class='nbddp-log' data-rank='1' open><summary>rank 1 log (1 line)<" in html
     assert "<details class='nbddp-log nbddp-log-all'><summary>all ranks log (2 lines)<" in html
@@ -364,7 +370,7 @@ def test_a_large_pool_shows_counts_the_slowest_and_only_the_rows_that_differ(n):
     shown = [int(r.split("'")[0]) for r in rows.split("data-rank='")[1:]]
     assert {5, n - 1} <= set(shown)
     assert len(shown) <= Dashboard.ROWS
-    assert d.widget.lines == [[f"0-{n - 1}", "stdout", "step 1"]]
+    assert d.widget.lines == [[f"0-{n - 1}", "stdout", "step 1", ""]]
     d.close(P.CellEnd(1, tuple(range(n)), errors={n - 1: P.ErrorInfo("E", "m", "tb")}))
     html = d.frozen_bundle()["text/html"]
     assert html.count("<details class='nbddp-log' data-rank=") <= Dashboard.ROWS
@@ -395,7 +401,7 @@ def test_a_tqdm_bar_on_stderr_is_progress_not_an_error_and_a_warning_stays_red()
     d.handle(P.Output(0, "stderr", "UserWarning: careful\n"))
     d.handle(P.RankState(0, "done"))
     d.close(P.CellEnd(1, (0,)))
-    streams = {text: stream for _ranks, stream, text in d.widget.lines}
+    streams = {text: stream for _ranks, stream, text, _values in d.widget.lines}
     assert streams == {
         bar: "progress",
         "45it [00:01, 30.12it/s]": "progress",
@@ -416,3 +422,19 @@ def test_a_frozen_log_opens_at_its_top_and_rank_labels_align_left():
     html = d.frozen_bundle()["text/html"]
     assert "column-reverse" not in html
     assert "<td style='padding:1px 8px;text-align:left'>rank 0</td>" in html
+
+
+@pytest.mark.parametrize("n", [2, 3, 8, 40])
+def test_nbddp_progress_of_ranks_at_different_speeds_folds_into_one_bar(n):
+    d, clock = dashboard(ranks=range(n))
+    start(d, range(n))
+    clock.t = 1.0
+    for rank in range(n):
+        d.handle(P.RankProgress(rank, 60 if rank != 1 else 45, 100, "train"))
+    d._render(force=True)
+    rows = d.widget.rows
+    assert rows.count("nbddp-bar") == 1  # one bar, not one per rank
+    assert "width:45%" in rows
+    assert f"({n} ranks; slowest: rank 1; the others up to 60)" in rows
+    assert "train 45/100" in rows
+    d.close(None)

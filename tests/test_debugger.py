@@ -81,7 +81,7 @@ def test_breakpoint_in_rank_1_of_3_takes_commands_from_the_input_box(kernel):
     for rank in range(3):
         assert f"after {rank}" in s.stdout
     # the ranks' state is intact, the debugged rank's line ran
-    r = execute(kc, "%%ddp --text\nprint(x, globals().get('y'))")
+    r = execute(kc, "%%ddp --text --no-fold\nprint(x, globals().get('y'))")
     assert r.error is None, r.text
     assert "[rank 1] 10 11" in r.stdout
     assert "[rank 2] 20 None" in r.stdout
@@ -107,7 +107,7 @@ def test_breakpoint_in_rank_1_of_3_takes_commands_from_the_input_box(kernel):
     assert s.prompts == ["(Pdb rank 0) "]
     assert s.error["ename"] == "CellInterrupted", s.error
     assert "cell interrupted (KeyboardInterrupt)" in s.error["evalue"]
-    r = execute(kc, "%%ddp --text\nprint('x is', x)")
+    r = execute(kc, "%%ddp --text --no-fold\nprint('x is', x)")
     assert r.error is None, r.text
     assert "[rank 2] x is 20" in r.stdout
 
@@ -238,7 +238,7 @@ def test_terminal_ipython_asks_on_its_stdin():
         "%load_ext nbddp\n"
         # ranks 0 and 1 wait for rank 2's session: their lines cannot fall between its
         # prompt and its answer
-        "%%ddp -n 3 --text\nimport torch.distributed as dist\nx = rank\n"
+        "%%ddp -n 3 --text --no-fold\nimport torch.distributed as dist\nx = rank\n"
         "if rank != 2:\n    dist.barrier()\nif rank == 2:\n    breakpoint()\n"
         "print('after', rank)\nif rank == 2:\n    dist.barrier()\n\n\n"
         "p x + 40\n"

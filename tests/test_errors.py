@@ -90,7 +90,7 @@ def test_collective_errors_alone_are_all_root_causes():
     a = RankFailed(0, "RuntimeError", "Timed out", "tb", when=2.0, collective="barrier")
     b = RankFailed(1, "RuntimeError", "Timed out", "tb", when=1.0, collective="barrier")
     assert root_causes([a, b]) == ([b, a], [])
-    assert str(CellFailed([a, b])).splitlines() == [b.summary, a.summary]
+    assert str(CellFailed([a, b])).splitlines() == ["ranks 0, 1: RuntimeError: Timed out"]
 
 
 def test_an_interrupted_cell_says_where_each_rank_was_grouped():
@@ -117,3 +117,53 @@ def test_rank_sets_read_as_ranges_from_three_on():
     assert rank_set([3]) == "rank 3"
     assert rank_set([0, 1, 3]) == "ranks 0, 1, 3"
     assert rank_set([0, 1, 2, 3, 4, 5, 7]) == "ranks 0-5, 7"
+
+
+def _tb(line: int, exc: str) -> str:
+    frame = f'  File "<ddp-cell-4>", line {line}, in <module>'
+    return f"Traceback (most recent call last):\n{frame}\n{exc}\n"
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_one_error_on_several_ranks_shows_once_with_its_rank_set(n):
+    same = [
+        RankFailed(r, "NameError", "name 'x' is not defined", _tb(3, "NameError"), when=1.0 + r)
+        for r in range(n)
+    ]
+    err = CellFailed(same)
+    rendered = err._render_traceback_()
+    assert rendered.count('  File "<ddp-cell-4>", line 3, in <module>') == 1
+    assert rendered[0] == f"--- {rank_set(list(range(n)))} ---"
+    assert str(err) == f"{rank_set(list(range(n)))}: NameError: name 'x' is not defined"
+
+
+def test_different_errors_stay_apart_the_root_cause_first():
+    first = RankFailed(2, "ValueError", "bad", _tb(5, "ValueError"), when=1.0)
+    later = [RankFailed(r, "KeyError", "'k'", _tb(3, "KeyError"), when=2.0) for r in (0, 1, 3)]
+    other_line = RankFailed(4, "KeyError", "'k'", _tb(7, "KeyError"), when=3.0)
+    err = CellFailed([*later, other_line, first])
+    assert str(err).splitlines() == [
+        "rank 2: ValueError: bad",
+        "ranks 0, 1, 3: KeyError: 'k'",
+        "rank 4: KeyError: 'k'",
+    ]
+    heads = [line for line in err._render_traceback_() if line.startswith("---")]
+    assert heads == ["--- rank 2 ---", "--- ranks 0, 1, 3 ---", "--- rank 4 ---"]
+    died = CellFailed([RankDied(1, -9, when=1.0), RankDied(3, -9, when=1.1)])
+    assert str(died) == "ranks 1, 3 died (killed by SIGKILL)"
+
+
+def test_the_note_on_a_reformed_group_names_the_collective_the_failure_message_names():
+    """rank 2 failed; ranks 0, 1, 3 were freed from all_reduce before a stack of theirs was
+    seen: the note says all_reduce too (it said 'maybe in a collective')."""
+    from types import SimpleNamespace
+
+    from nbddp.recovery import collectives_of
+
+    sup = SimpleNamespace(aborted_running=[0, 1, 3], waiting_in=lambda rank: None)
+    freed = P.ErrorInfo("RuntimeError", GLOO, "tb", collective="all_reduce")
+    errors = {0: freed, 1: freed, 3: freed, 2: P.ErrorInfo("ValueError", "x", "tb")}
+    out = SimpleNamespace(errors=errors)
+    assert collectives_of(sup, out) == ["all_reduce"]
+    sup.waiting_in = lambda rank: "barrier" if rank == 0 else None
+    assert collectives_of(sup, out) == ["all_reduce", "barrier"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -426,6 +427,21 @@ def test_the_process_group_timeout_ends_a_collective_nobody_joins():
         assert pool.execute("kept") == [0, 1]
 
 
-def test_a_sigkill_death_hints_at_the_oom_killer(pool):
-    _, _, end = collect(pool.run("import os\nif rank == 0:\n    os.kill(os.getpid(), 9)"))
+def test_a_sigkill_death_hints_at_the_oom_killer_unless_the_cell_sent_it(pool):
+    """Killed from outside (the test, as the OOM killer would): the hint; the cell's own
+    os.kill(..., 9): no hint, the cell named the sender itself."""
+
+    def killed_from_outside(events):
+        pid = pool.pids[0]
+        for ev in events:
+            if isinstance(ev, P.Output) and ev.rank == 0 and "ready" in ev.text:
+                os.kill(pid, signal.SIGKILL)
+            yield ev
+
+    code = "import time\nprint('ready', flush=True)\nif rank == 0:\n    time.sleep(60)"
+    _, _, end = collect(killed_from_outside(pool.run(code)))
+    assert end.exits[0].returncode == -signal.SIGKILL
     assert any("out-of-memory killer" in note for note in end.notes)
+    _, _, end = collect(pool.run("import os\nif rank == 0:\n    os.kill(os.getpid(), 9)"))
+    assert end.exits[0].returncode == -signal.SIGKILL
+    assert not any("out-of-memory killer" in note for note in end.notes), end.notes

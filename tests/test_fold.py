@@ -1,11 +1,14 @@
-"""Folded output: the same line from several ranks once, with its rank set; nothing lost,
-every rank's lines in its own order."""
+"""Folded output: the same line from several ranks once, with its rank set; lines that
+differ only in numbers folded with their values; nothing lost, every rank's lines in its
+own order, whatever order the ranks print in."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nbddp import protocol as P
 from nbddp.fold import Folder, Lines, fold_key, rank_set
@@ -31,15 +34,64 @@ def test_a_line_every_rank_prints_shows_once_when_the_last_rank_prints_it(n):
     ]
 
 
-def test_lines_that_differ_stay_apart_and_a_rank_that_moved_on_settles_them():
+@pytest.mark.parametrize("arrival", [[0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]])
+def test_the_training_cell_folds_its_shared_lines_after_each_ranks_own(arrival):
+    """Each rank prints its own loss line, then a shared line (the issue's cell): the shared
+    lines fold whatever order the ranks print in, and the own lines read in rank order."""
+    f, out = Folder(range(4)), []
+    words = {0: "zero", 1: "one", 2: "two", 3: "three"}
+    for epoch in range(2):
+        for rank in arrival:  # each rank's two lines in one read, or one by one
+            own = f"rank {words[rank]} says hi"
+            out += f.feed_lines(rank, "stdout", [own, f"epoch {epoch} finished"], 0.0)
+    for rank in arrival:
+        out += f.feed(rank, "stdout", "training done", 0.0)
+    assert f.pending == 0
+    own = [("rank 0", "rank zero says hi"), ("rank 1", "rank one says hi")]
+    own += [("rank 2", "rank two says hi"), ("rank 3", "rank three says hi")]
+    assert lines(out) == [
+        *own,
+        ("ranks 0-3", "epoch 0 finished"),
+        *own,
+        ("ranks 0-3", "epoch 1 finished"),
+        ("ranks 0-3", "training done"),
+    ]
+
+
+def test_lines_that_differ_only_in_numbers_fold_with_their_values():
+    f, out = Folder(range(4)), []
+    for rank, loss in [(2, "0.9633"), (0, "0.3333"), (3, "0.5"), (1, "0.4")]:
+        out += f.feed(rank, "stdout", f"rank {rank} epoch 2 loss {loss}", 0.0)
+    assert lines(out) == [("ranks 0-3", "rank {0-3} epoch 2 loss {0.3333..0.9633}")]
+    detail = out[0].detail.splitlines()
+    assert detail[0] == "loss lowest 0.3333 on rank 0, highest 0.9633 on rank 2"
+    assert detail[1:] == [
+        "rank 0: 0 2 0.3333",
+        "rank 1: 1 2 0.4",
+        "rank 2: 2 2 0.9633",
+        "rank 3: 3 2 0.5",
+    ]
+    assert dict(out[0].each())[2] == "rank 2 epoch 2 loss 0.9633"  # each rank's line kept
+
+
+def test_integers_that_differ_show_as_their_set_and_many_as_their_range():
+    f, out = Folder(range(4)), []
+    for rank, n in enumerate([10, 11, 12, 20]):
+        out += f.feed(rank, "stdout", f"batch {n}", 0.0)
+    assert lines(out) == [("ranks 0-3", "batch {10-12,20}")]
+    f, out = Folder(range(64)), []
+    for rank in range(64):
+        out += f.feed(rank, "stdout", f"seen {rank * 7}", 0.0)
+    assert lines(out) == [("ranks 0-63", "seen {0..441}")]
+
+
+def test_lines_that_differ_stay_apart_and_come_out_in_rank_order():
     f = Folder(range(3))
-    out = f.feed(0, "stdout", "rank 0 here", 0.0)
-    out += f.feed(1, "stdout", "rank 1 here", 0.0)
-    out += f.feed(2, "stdout", "rank 2 here", 0.0)  # ranks 1 and 2 are past rank 0's line
-    assert lines(out) == [("rank 0", "rank 0 here")]
-    out = f.feed(0, "stdout", "next", 0.0)  # rank 0 will not print "rank 1 here" now
-    assert lines(out) == [("rank 1", "rank 1 here")]
-    assert lines(f.flush()) == [("rank 2", "rank 2 here"), ("rank 0", "next")]
+    out = f.feed(2, "stdout", "gamma", 0.0)
+    out += f.feed(1, "stdout", "beta", 0.0)
+    out += f.feed(0, "stdout", "alpha", 0.0)
+    assert out == []  # any rank may still print any of them, for the window
+    assert lines(f.due(0.25)) == [("rank 0", "alpha"), ("rank 1", "beta"), ("rank 2", "gamma")]
 
 
 def test_some_ranks_fold_and_the_odd_one_keeps_its_place():
@@ -82,52 +134,107 @@ def test_the_same_line_twice_from_one_rank_is_two_lines():
     assert lines(out) == [("ranks 0-1", "tick"), ("ranks 0-1", "tick")]
 
 
-def test_tqdm_bars_fold_on_what_they_show_and_keep_the_slowest_ranks_timing():
-    bar = "train: 100%|##########| 10/10 [00:0{}<00:00,  9.{}it/s]"
-    assert (
-        fold_key(bar.format(1, 5)) == fold_key(bar.format(2, 1)) == "train: 100%|##########| 10/10"
-    )
+def test_tqdm_bars_of_ranks_at_different_speeds_fold_into_the_slowest_ranks_bar():
+    bar = "train: {:>3}%|{}| {}/10 [00:0{}<00:00,  9.{}it/s]"
+    shown = [bar.format(100, "#" * 10, 10, 1, 5), bar.format(40, "####      ", 4, 2, 1)]
+    assert fold_key(shown[0]) == fold_key(shown[1])
+    assert fold_key("epoch [1/3]") != fold_key("train: [1/3]")  # not bars: text and numbers
     f, out = Folder(range(3)), []
-    for rank in range(3):
-        out += f.feed(rank, "stderr", bar.format(rank + 1, rank), 0.0)
-    assert lines(out) == [("ranks 0-2", bar.format(3, 2))]
-    assert fold_key("epoch [1/3]") == "epoch [1/3]"  # not a bar: the whole line
+    out += f.feed(0, "stderr", shown[0], 0.0)
+    out += f.feed(2, "stderr", shown[1], 0.0)
+    out += f.feed(1, "stderr", shown[0], 0.0)
+    assert lines(out) == [("ranks 0-2", f"{shown[1]}  (slowest: rank 2; the others up to 10)")]
+    f, out = Folder(range(2)), []
+    for rank in range(2):
+        out += f.feed(rank, "stderr", shown[0], 0.0)
+    assert lines(out) == [("ranks 0-1", shown[0])]  # all at one place: the bar as it reads
 
 
 def test_window_zero_folds_nothing():
     f = Folder(range(2), window=0)
     assert lines(f.feed(0, "stdout", "x", 0.0)) == [("rank 0", "x")]
     assert lines(f.feed(1, "stdout", "x", 0.0)) == [("rank 1", "x")]
+    assert lines(f.feed(1, "stdout", "loss 0.5", 0.0)) == [("rank 1", "loss 0.5")]
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 8])
-@pytest.mark.parametrize("seed", range(25))
-def test_nothing_is_lost_and_every_rank_keeps_its_order(n, seed):
-    """Random interleavings of lines that often repeat across ranks: unfolding the output
-    gives back each rank's lines, in order, and identical lines did fold."""
-    rng = random.Random(seed)
-    printed = {
-        r: [rng.choice(["a", "b", "c", f"own {r}", "loss 0.1"]) for _ in range(rng.randint(0, 12))]
-        for r in range(n)
-    }
+# ---------------------------------------------------------------- any order the ranks print in
+
+WORDS = ["a", "b", "c", "loss 0.1", "loss 0.7", "step 3", "done"]
+
+
+def _interleave(rng: random.Random, printed: dict[int, list[str]], f: Folder, jump: float):
+    """Feed every rank's lines in a random interleaving, ``jump`` seconds at most between
+    two reads (0: the window never passes); the groups out, in order."""
     pending = {r: list(lines_) for r, lines_ in printed.items()}
-    f, out, now = Folder(range(n), window=0.25), [], 0.0
+    out, now = [], 0.0
     while any(pending.values()):
         rank = rng.choice([r for r in pending if pending[r]])
-        now += rng.choice([0.0, 0.01, 0.3])
-        out += f.feed(rank, rng.choice(["stdout"]), pending[rank].pop(0), now)
-        if not pending[rank]:
+        now += rng.choice([0.0, 0.01, jump]) if jump else 0.0
+        take = rng.randint(1, 3)
+        chunk, pending[rank] = pending[rank][:take], pending[rank][take:]
+        out += f.feed_lines(rank, "stdout", chunk, now)
+        if not pending[rank] and rng.random() < 0.5:
             out += f.finish(rank, now)
         out += f.due(now)
-    out += f.flush()
+    return out + f.flush()
+
+
+def _delivered(out, n):
+    """Each rank's lines as the groups give them back, in order; no rank twice in a group."""
+    for g in out:
+        assert len(set(g.ranks)) == len(g.ranks)
+    return {r: [line for g in out for rank, line in g.each() if rank == r] for r in range(n)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(2, 64),
+    seed=st.integers(0, 2**32),
+    jump=st.sampled_from([0.0, 0.3]),
+    length=st.integers(0, 8),
+)
+def test_every_line_is_delivered_once_per_rank_in_its_order(n, seed, jump, length):
+    rng = random.Random(seed)
+    printed = {
+        r: [rng.choice([*WORDS, f"own {r} x{r}"]) for _ in range(rng.randint(0, length))]
+        for r in range(n)
+    }
+    f = Folder(range(n))
+    out = _interleave(rng, printed, f, jump)
     assert f.pending == 0
-    seqs = [g.seq for g in out]
-    assert seqs == sorted(seqs)  # groups come out in the order they were opened
-    for r in range(n):
-        assert [g.text for g in out if r in g.ranks] == printed[r]
-    assert sum(len(g.ranks) for g in out) == sum(map(len, printed.values()))
-    if all(printed[r] == ["a"] for r in range(n)):
-        assert len(out) == 1
+    assert _delivered(out, n) == printed
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 64), seed=st.integers(0, 2**32), length=st.integers(0, 5))
+def test_lines_every_rank_prints_after_the_same_lines_fold(n, seed, length):
+    """Ranks that print the same lines (numbers apart) in any interleaving: each line
+    shows once with every rank."""
+    rng = random.Random(seed)
+    script = [rng.choice(WORDS) for _ in range(length)] + ["the end"]
+    printed = {r: [line.replace("0.1", f"0.{r}") for line in script] for r in range(n)}
+    out = _interleave(rng, printed, Folder(range(n)), 0.0)
+    assert [len(g.ranks) for g in out] == [n] * len(script)
+    assert _delivered(out, n) == printed
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 64), seed=st.integers(0, 2**32), length=st.integers(0, 4))
+def test_a_shared_line_after_lines_of_each_ranks_own_folds(n, seed, length):
+    """Each rank prints lines of its own (any number), then a line every rank prints, then
+    more of its own: the shared line shows once with every rank."""
+    rng = random.Random(seed)
+    own = ["alpha", "beta", "gamma", "delta"]
+    printed = {
+        r: [f"{rng.choice(own)} {r}" for _ in range(rng.randint(0, length))]
+        + ["epoch finished"]
+        + [f"after {rng.choice(own)}" for _ in range(rng.randint(0, 2))]
+        for r in range(n)
+    }
+    out = _interleave(rng, printed, Folder(range(n)), 0.0)
+    shared = [g for g in out if g.text == "epoch finished"]
+    assert [sorted(g.ranks) for g in shared] == [list(range(n))]
+    assert _delivered(out, n) == printed
 
 
 # ---------------------------------------------------------------- a cell's events in
@@ -220,3 +327,22 @@ def test_events_fold_as_the_same_whole_lines_do(seed):
             got += by_events.output(P.Output(r, "stdout", text[a:b]))
     got += by_events.flush()
     assert lines(got) == lines(expected)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_out_shows_once_with_its_rank_set_after_lines_of_each_ranks_own(n):
+    f, out = Folder(range(n), clock=Clock()), []
+    for rank in reversed(range(n)):
+        out += f.output(P.Output(rank, "stdout", f"{'abcdefgh'[rank]} is here\n"))
+        out += f.result(P.RankResult(rank, "tensor([1., 2.])"))
+    out += f.flush()
+    assert lines(out)[n:] == [(f"ranks 0-{n - 1}", "Out: tensor([1., 2.])")]
+
+
+def test_lines_of_long_digit_runs_fold_without_a_huge_integer():
+    f, out = Folder(range(2)), []
+    for rank in range(2):
+        out += f.feed(rank, "stdout", str(rank + 1) * 20_000, 0.0)
+    assert len(out) == 1
+    assert out[0].text.startswith("{" + "1" * 24 + ".." + "2" * 24 + "}")
+    assert out[0].detail.startswith("# lowest " + "1" * 24 + " on rank 0")

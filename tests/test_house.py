@@ -23,8 +23,8 @@ CORE = {
 }  # fmt: skip
 FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",
-    "dashboard", "dashboard_html", "dashboard_widget", "sinks", "fold", "export", "demo",
-    "remote", "detaching", "reports", "magics_pool", "metric_store", "charts", "theme",
+    "dashboard", "dashboard_html", "dashboard_widget", "sinks", "fold", "fold_shape", "export",
+    "demo", "remote", "detaching", "reports", "magics_pool", "metric_store", "charts", "theme",
 }  # fmt: skip
 WORKER = {
     "worker", "worker_control", "worker_group", "worker_shims", "worker_cell",

@@ -11,6 +11,7 @@ import pytest
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 # notebooks for a framework need it installed: pip install -e ".[frameworks]" (.ci/run does)
 REQUIRES = {
+    "06-folded-output.ipynb": "tqdm",
     "10-accelerate.ipynb": "accelerate",
     "11-lightning.ipynb": "lightning",
     "12-transformers.ipynb": "transformers",

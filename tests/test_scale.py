@@ -83,7 +83,7 @@ def test_256_ranks_attach_and_their_identical_lines_fold_into_one(attach):
     # the pool waits on each connection once: 3 per rank and the wake pipe
     assert len(pool.hub._selector.get_map()) == 3 * 256 + 1
     board = Dashboard(list(range(256)), world_size=256)
-    end = cell(pool, "print('step', rank % 2)", board)
+    end = cell(pool, "print('step', 'odd' if rank % 2 else 'even')", board)
     assert not end.errors
     assert sorted(g.label for g in board.log) == [
         "ranks 0,2,4,6,8,10,12,14,16,18,20,22,24,26,28,30,32,34,36,38,40,42,44,46,48,50,"

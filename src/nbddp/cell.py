@@ -155,6 +155,7 @@ class Cell:
         # a relay forwards a rank's Done after all it printed: no end markers to wait for
         marks = {r: table[r].link.open_streams() for r in targets if not table[r].link.relay}
         self.out = Outcome(self.cell, targets, marks, self.raw, self.pool.shm_folder)
+        self.out.code = next(iter(self.runs.values())).code if self.runs else ""
         pool.requests.active = self.cell
         yield from self._supervised(targets)
         yield from self._after(notes)
@@ -195,7 +196,7 @@ class Cell:
         pool, sup, out = self.pool, self.sup, self.out
         died = sorted(r for r, x in out.exits.items() if not x.stopped_by_pool)
         if not pool.needs_restart and died:
-            yield from recovery.replace(pool, died)
+            yield from recovery.replace(pool, died, out.code)
         elif not pool.needs_restart and sup.aborted_at is not None:
             yield from recovery.reform(pool, sup, out)
         elif not pool.needs_restart and any(d.needs_group for d in out.done.values()):

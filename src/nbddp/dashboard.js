@@ -55,10 +55,11 @@ function render({ model, el }) {
   const drawLog = () => {
     const atEnd = pane.scrollHeight - pane.scrollTop - pane.clientHeight < 8;
     const lines = document.createDocumentFragment();
-    for (const [ranks, stream, text] of model.get("lines")) {
+    for (const [ranks, stream, text, values] of model.get("lines")) {
       if (shown !== null && !holds(ranks, shown)) continue;
       const line = document.createElement("span");
-      line.className = "nbddp-line";
+      line.className = values ? "nbddp-line nbddp-folded" : "nbddp-line";
+      if (values) line.title = values; // each rank's numbers, the extremes named first
       if (stream === "stderr") line.classList.add("nbddp-stderr"); // coloured by _css
       line.textContent = `${shown === null ? `[${ranks}] ` : ""}${text}\n`;
       lines.append(line);

@@ -194,7 +194,7 @@ class Dashboard:
                 self._log_dirty = False
                 start = max(0, len(self.log) - self.LIVE_LINES)
                 w.lines = [
-                    [rank_set(g.ranks), H.shown_stream(g), g.text]
+                    [rank_set(g.ranks), H.shown_stream(g), g.text, g.detail]
                     for g in itertools.islice(self.log, start, None)
                 ]
                 w.hidden = self.dropped + start

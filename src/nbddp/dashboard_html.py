@@ -9,7 +9,8 @@ from collections import Counter, deque
 
 from . import protocol as P
 from . import theme as T
-from .fold import Group, is_progress, rank_set
+from .fold import Group, rank_set
+from .fold_shape import is_progress
 
 __all__ = ["FAILED_STATES", "STATE_COLOURS", "RankView"]
 
@@ -70,9 +71,27 @@ def header_html(shown: int, world_size: int, facts: tuple[str, ...], elapsed: fl
 
 def rows_html(views: Views, hosts: dict[int, str], now: float, rows: int) -> str:
     """A row per rank; for more than ``rows`` ranks, the summary and the rows worth a look."""
+    folded = folded_progress_html(views)
     if len(views) <= rows:
-        return table_html(views, sorted(views), hosts, now)
-    return summary_line(views, now) + table_html(views, notable(views, now, rows), hosts, now)
+        return folded + table_html(views, sorted(views), hosts, now, bars=not folded)
+    shown = notable(views, now, rows)
+    return summary_line(views, now) + folded + table_html(views, shown, hosts, now, bars=False)
+
+
+def folded_progress_html(views: Views) -> str:
+    """Every rank's ``nbddp.progress`` as one bar: the slowest rank's, with how far the
+    others got ('' for fewer than two ranks with a bar)."""
+    progress = [(r, v.progress) for r, v in views.items() if v.progress is not None]
+    if len(progress) < 2:
+        return ""
+    rank, slow = min(progress, key=lambda rp: (rp[1].done / (rp[1].total or 1), rp[0]))
+    fast = max(p.done for _, p in progress)
+    spread = f"; the others up to {fast}" if fast != slow.done else ""
+    return (
+        f"<div class='nbddp-progress-all'>{progress_html(slow)} "
+        f"<span style='color:#888'>({len(progress)} ranks; slowest: rank {rank}{spread})</span>"
+        "</div>"
+    )
 
 
 def summary_line(views: Views, now: float) -> str:
@@ -84,15 +103,9 @@ def summary_line(views: Views, now: float) -> str:
     )
     slow = slowest(views, now, 3)
     slowest_ = ", ".join(f"rank {r} ({views[r].elapsed(now):.1f} s)" for r in slow)
-    progress = [(r, v.progress) for r, v in views.items() if v.progress is not None]
-    behind = ""
-    if progress:
-        r, p = min(progress, key=lambda rp: (rp[1].done / (rp[1].total or 1), rp[0]))
-        behind = f" · furthest behind: rank {r} {progress_html(p)}"
     return (
         f"<div class='nbddp-counts'>{shown}"
         + (f" · slowest: {slowest_}" if slowest_ else "")
-        + behind
         + "</div>"
     )
 
@@ -113,15 +126,18 @@ def notable(views: Views, now: float, rows: int) -> list[int]:
     return sorted(shown[:rows])
 
 
-def table_html(views: Views, ranks: list[int], hosts: dict[int, str], now: float) -> str:
+def table_html(
+    views: Views, ranks: list[int], hosts: dict[int, str], now: float, bars: bool = True
+) -> str:
+    """The rows of ``ranks``; ``bars=False``: progress as counts (one folded bar above)."""
     return (
         "<table class='nbddp-ranks' style='border-collapse:collapse;font-size:90%'>"
-        + "".join(_row_html(rank, views[rank], hosts.get(rank), now) for rank in ranks)
+        + "".join(_row_html(rank, views[rank], hosts.get(rank), now, bars) for rank in ranks)
         + "</table>"
     )
 
 
-def _row_html(rank: int, view: RankView, host: str | None, now: float) -> str:
+def _row_html(rank: int, view: RankView, host: str | None, now: float, bars: bool) -> str:
     shown = view.state_text(now)
     colour = T.state_colour(shown)
     style = f"background:{T.FAILED_ROW};" if view.state in FAILED_STATES else ""
@@ -131,19 +147,22 @@ def _row_html(rank: int, view: RankView, host: str | None, now: float) -> str:
     return (
         f"<tr class='nbddp-row nbddp-{view.state}' data-rank='{rank}' style='{style}'>"
         f"<td style='{cell}'>rank {rank}{host_html}</td>"
-        f"<td style='{cell};color:{colour};font-weight:bold'>{shown}</td>"
+        f"<td style='{cell};color:{colour};font-weight:bold'>{esc(shown)}</td>"
         "<td style='padding:1px 8px;text-align:right'>"
         f"{'' if elapsed is None else f'{elapsed:.1f} s'}</td>"
-        f"<td style='{cell}'>{progress_html(view.progress)}</td>"
+        f"<td style='{cell}'>{progress_html(view.progress, bars)}</td>"
         f"<td style='{cell};{T.CODE_FONT};max-width:60ch;"
         "overflow:hidden;text-overflow:ellipsis;white-space:nowrap'>"
         f"{esc(view.last[-300:])}</td></tr>"
     )
 
 
-def progress_html(p: P.RankProgress | None) -> str:
+def progress_html(p: P.RankProgress | None, bar: bool = True) -> str:
     if p is None:
         return ""
+    if not bar:
+        total = f"/{p.total}" if p.total else ""
+        return f"<span class='nbddp-progress'>{p.done}{total}</span>"
     if p.total:
         pct = min(100.0, 100.0 * p.done / p.total)
         bar = (
@@ -167,17 +186,19 @@ def shown_stream(group: Group) -> str:
     return group.stream
 
 
-def pane_html(lines: list[Group], dropped: int, shown: int, labelled: bool) -> str:
-    """A static scrolling log: the last ``shown`` lines, a note of the rest."""
+def pane_html(lines: list[Group], dropped: int, shown: int, rank: int | None) -> str:
+    """A static scrolling log: the last ``shown`` lines (every rank's, folded and labelled;
+    or ``rank``'s own), a note of the rest."""
     hidden = dropped + max(0, len(lines) - shown)
     body = "".join(
         (
-            f"<span style='color:{T.STDERR}'>{esc(text)}</span>\n"
+            f"<span style='color:{T.STDERR}'{title}>{esc(text)}</span>\n"
             if shown_stream(g) == "stderr"
-            else esc(text) + "\n"
+            else (f"<span{title}>{esc(text)}</span>\n" if title else esc(text) + "\n")
         )
         for g in lines[-shown:]
-        for text in [f"[{rank_set(g.ranks)}] {g.text}" if labelled else g.text]
+        for text in [f"[{rank_set(g.ranks)}] {g.text}" if rank is None else g.line_of(rank)]
+        for title in [_title(g.detail) if rank is None else ""]
     )
     note = (
         f"<div class='nbddp-dropped' style='color:{T.MUTED}'>"
@@ -195,12 +216,17 @@ def pane_html(lines: list[Group], dropped: int, shown: int, labelled: bool) -> s
     )
 
 
+def _title(detail: str) -> str:
+    """A folded line's values, each rank's, shown when it is pointed at."""
+    return f" class='nbddp-folded' title='{html.escape(detail, quote=True)}'" if detail else ""
+
+
 def all_log_html(log: deque[Group], dropped: int, tail: int, failed: bool) -> str:
     """Every rank's folded log, closed when a rank failed (its own log opens instead)."""
     return (
         f"<details class='nbddp-log nbddp-log-all'{'' if failed else ' open'}>"
         f"<summary>all ranks log ({_lines(len(log) + dropped)})</summary>"
-        + pane_html(list(log), dropped, tail, labelled=True)
+        + pane_html(list(log), dropped, tail, None)
         + "</details>"
     )
 
@@ -217,7 +243,7 @@ def own_logs_html(views: Views, ranks: list[int], tail: int) -> str:
         parts.append(
             f"<details class='nbddp-log' data-rank='{rank}'{' open' if bad else ''}>"
             f"<summary>rank {rank} log ({_lines(view.count)})</summary>"
-            + pane_html(list(view.lines), dropped, tail * 3 if bad else tail, False)
+            + pane_html(list(view.lines), dropped, tail * 3 if bad else tail, rank)
             + "</details>"
         )
     return "".join(parts)

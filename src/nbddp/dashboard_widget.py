@@ -40,7 +40,7 @@ def _widget_class():
         ranks = t.List(t.Int()).tag(sync=True)
         header = t.Unicode().tag(sync=True)
         rows = t.Unicode().tag(sync=True)
-        lines = t.List().tag(sync=True)  # [rank set, stream, text], the live tail
+        lines = t.List().tag(sync=True)  # [rank set, stream, text, values], the live tail
         hidden = t.Int().tag(sync=True)  # lines before that tail
         charts = t.Unicode().tag(sync=True)  # the metric charts, inline SVG
         focus = t.Int(-1).tag(sync=True)  # the rank whose log opens (the first failure)

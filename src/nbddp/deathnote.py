@@ -10,11 +10,12 @@ capture), which a survivor healed (``--heal``), and which are gone.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from . import protocol as P
 
-__all__ = ["Healed", "ordered", "replaced_note"]
+__all__ = ["Healed", "killer_hint", "ordered", "replaced_note"]
 
 NAMES_SAID = 12  # the names a dead rank held, said in full up to this many
 # modules, optimizers, tensors and arrays by size; then data, functions, classes, the rest
@@ -32,6 +33,21 @@ class Healed:
     error: str = ""  # why it could not heal (then ``names`` is what it tried)
     rewrapped: tuple[str, ...] = ()  # the names wrapped again (DDP) on every rank
     missing: tuple[str, ...] = ()  # names the source did not have
+
+
+# a cell that sends SIGKILL itself: os.kill(pid, signal.SIGKILL), os.kill(pid, 9), kill -9
+_SENDS_SIGKILL = re.compile(r"SIGKILL|\bkill(?:pg)?\s*\(.*,\s*9\s*\)|\bkill\s+-(?:9|KILL)\b")
+
+
+def killer_hint(rank: int, code: str) -> list[str]:
+    """Who sent a rank SIGKILL, when nbddp did not: the out-of-memory killer, usually; no
+    hint when the cell's own code sends SIGKILL (it named the sender itself)."""
+    if _SENDS_SIGKILL.search(code):
+        return []
+    return [
+        f"nothing in nbddp sent rank {rank} SIGKILL: the usual sender is the "
+        "kernel's out-of-memory killer (see `dmesg`)"
+    ]
 
 
 def ordered(held) -> list[P.Held]:

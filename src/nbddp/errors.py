@@ -8,8 +8,9 @@
      +-- CaptureError        a --need / --imports / push name cannot be shipped
                              (raised before any rank runs)
      +-- CellFailed          a cell failed on one or more ranks; .failures lists the root
-          |                  causes first (by when they happened), .consequences the ranks
-          |                  freed from a collective because of them
+          |                  causes first (by when they happened), .groups the same causes
+          |                  with one error on several ranks together, .consequences the
+          |                  ranks freed from a collective because of them
           +-- CellInterrupted    the cell was interrupted (stop button, Ctrl-C, --timeout);
                                  .stacks says where each rank was
 
@@ -21,6 +22,7 @@ pickled exception objects, and render in IPython through ``_render_traceback_``.
 
 from __future__ import annotations
 
+import re
 import signal
 from dataclasses import dataclass
 
@@ -141,6 +143,41 @@ def root_causes(
     return roots, sorted(rest, key=lambda f: f.rank)
 
 
+_FRAME = re.compile(r'^\s*File "([^"]*)", line (\d+)', re.M)
+
+
+def _same(failure: RankFailed | RankDied) -> tuple:
+    """What two ranks' failures share when they are one error: the exception and the
+    lines it came through (a death: how the process ended)."""
+    if isinstance(failure, RankDied):
+        return ("died", failure.returncode)
+    frames = tuple(_FRAME.findall(failure.traceback))
+    return (failure.exc_type, frames) if frames else (failure.exc_type, failure.message)
+
+
+def fold_failures(failures: list) -> list[list]:
+    """The same error on several ranks once: failures grouped by :func:`_same`, in the
+    order of each group's first (the root cause stays first)."""
+    groups: dict[tuple, list] = {}
+    for failure in failures:
+        groups.setdefault(_same(failure), []).append(failure)
+    return list(groups.values())
+
+
+def _group_summary(group: list) -> str:
+    """``ranks 0-3: NameError: name 'x' is not defined`` (one rank: its own summary)."""
+    first = group[0]
+    if len(group) == 1:
+        return first.summary
+    ranks = S.rank_set([f.rank for f in group])
+    if isinstance(first, RankDied):
+        return f"{ranks} died ({describe_exit(first.returncode)})"
+    said = f"{ranks}: {first.exc_type}: {first.message}".rstrip(": ")
+    if any(f.message != first.message for f in group):
+        said += f" (rank {first.rank}'s message; the others' differ)"
+    return said
+
+
 class CellFailed(NbddpError):
     """A cell failed on one or more ranks: one error, the root cause named first.
 
@@ -156,6 +193,7 @@ class CellFailed(NbddpError):
         kept: bool = False,
     ):
         self.failures, self.consequences = root_causes(list(failures), freed)
+        self.groups = fold_failures(self.failures)  # one error on several ranks: once
         self.notes = list(notes or [])
         self.kept = kept  # the ranks freed kept their namespaces
         super().__init__(self._message())
@@ -175,16 +213,21 @@ class CellFailed(NbddpError):
         ]
 
     def _message(self) -> str:
-        lines = [f.summary for f in self.failures] or ["the cell failed"]
+        lines = [_group_summary(g) for g in self.groups] or ["the cell failed"]
         return "\n".join(lines + self._folded() + self.notes)
 
     def _render_traceback_(self) -> list[str]:
-        """What IPython shows instead of a Python traceback: each root cause's own."""
+        """What IPython shows instead of a Python traceback: each root cause's own, an
+        error several ranks share once, headed by its rank set."""
         out: list[str] = []
-        for failure in self.failures:
-            out += failure.render()
-        out += ["", f"{type(self).__name__}: {self.failures[0].summary if self.failures else ''}"]
-        out += [f.summary for f in self.failures[1:]]
+        for group in self.groups:
+            shown = group[0].render()
+            if len(group) > 1:
+                shown[0] = f"--- {S.rank_set([f.rank for f in group])} ---"
+            out += shown
+        said = [_group_summary(g) for g in self.groups]
+        out += ["", f"{type(self).__name__}: {said[0] if said else ''}"]
+        out += said[1:]
         out += self._folded()
         out += self.notes
         return out

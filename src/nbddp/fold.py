@@ -1,16 +1,20 @@
 """Folded output: a line that several ranks print is shown once, with its rank set.
 
-``[ranks 0-31] epoch 1 loss 0.25`` stands for 32 identical lines. Lines that
-differ per rank stay apart, and every rank's own lines keep their order.
+``[ranks 0-31] epoch 1 loss 0.25`` stands for 32 identical lines, and lines that
+differ only in their numbers fold too (:mod:`nbddp.fold_shape`: ``rank {0-31} loss
+{0.25..0.31}``). Every rank's own lines keep their order, whatever order the ranks
+print in.
 
-A line waits in a group until it is *settled*: every rank of the cell has
-printed a later line, or ended, or ``window`` seconds have passed. Groups come
-out in the order they were opened, so a settled group behind an unsettled one
-waits for it (at most ``window``). A rank's line joins the oldest open group
-with the same text that it has not passed yet; otherwise it opens a group.
+The lines waiting to come out form a graph: a group (one shown line) comes after the
+group each of its ranks printed before it. A rank's line joins the oldest waiting
+group of its shape that it can join without breaking any rank's order (the group
+does not come before the rank's previous line), else it opens a group. So a rank that
+printed lines of its own still joins the shared line another rank opened first.
 
-tqdm bars fold on what they show (description, percentage, count), not on
-their timings; the folded line is the last rank's (the slowest) bar.
+A group comes out when every group before it did and it is *settled*: every running
+rank has printed it or a line after it, or ended, or ``window`` seconds have passed.
+Of the groups that may come out, the one at the earliest step comes first, then the
+lowest rank: the ranks' own lines of one step read in rank order.
 
 :class:`Folder` takes a cell's events too (``output``, ``state``, ``result``): each
 rank's text chunks become whole lines (:class:`Lines`: a carriage return rewrites
@@ -21,59 +25,47 @@ through it.
 
 from __future__ import annotations
 
-import re
+import heapq
 import time
-from collections import deque
 from typing import TYPE_CHECKING
+
+from .fold_shape import bar, detail, rank_set, render, shape
 
 if TYPE_CHECKING:
     from . import protocol as P
 
-__all__ = ["Folder", "Group", "Lines", "is_progress", "rank_set"]
+__all__ = ["Folder", "Group", "Lines", "fold_key", "rank_set"]
 
-# tqdm's default layout: "desc: 100%|█████| 10/10 [00:01<00:00,  9.81it/s]"
-_TQDM = re.compile(r"^(.*?\d+%\|.*\|\s*\S+/\S+)\s+\[[^\]]*\]\s*$")
-
-
-# tqdm with no total: "45it [00:01, 30.12it/s]"
-_TQDM_OPEN = re.compile(r"^.*\d+(?:\.\d+)?[kMG]?it \[[^\]]*(?:it/s|s/it)[^\]]*\]\s*$")
-
-
-def is_progress(line: str) -> bool:
-    """A tqdm bar: tqdm writes to stderr, and a bar is progress, not an error."""
-    return bool(_TQDM.match(line) or _TQDM_OPEN.match(line))
-
-
-_NEVER = 1 << 62  # no live rank: every group is settled
+SEARCH = 64  # waiting groups a join or a settle looks through, at most (beyond: no)
 
 
 def fold_key(line: str) -> str:
-    """What two ranks' lines must share to fold: the text, or a bar without its timings."""
-    m = _TQDM.match(line)
-    return m.group(1) if m else line
-
-
-def rank_set(ranks: list[int] | tuple[int, ...]) -> str:
-    """``[0, 1, 2, 3, 5]`` -> ``0-3,5``."""
-    out, ranks = [], sorted(ranks)
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(out)
+    """What two ranks' lines must share to fold: the line with its numbers taken out
+    (a bar: its description)."""
+    return shape(line)[0]
 
 
 class Group:
-    """One line as shown: its text and the ranks that printed it, in order of arrival."""
+    """One line as shown: the ranks that printed it, in order of arrival, and each one's
+    numbers (a bar: each one's line); ``text`` is the folded line once it came out."""
 
-    __slots__ = ("born", "key", "ranks", "seq", "stream", "text")
+    __slots__ = (
+        "at", "born", "key", "low", "nexts", "npred", "order", "out", "ranks", "said", "seq",
+        "stream", "text", "values",
+    )  # fmt: skip
 
     def __init__(self, seq: int, key: str, stream: str, text: str, born: float, ranks=None) -> None:
         self.seq, self.key, self.stream, self.text, self.born = seq, key, stream, text, born
         self.ranks: list[int] = ranks if ranks is not None else []
+        self.values: list = []  # per rank: its numbers, or its line (a bar)
+        # the groups its ranks printed next (while it waits), each once: id -> group
+        self.nexts: dict[int, Group] = {}
+        self.npred = 0  # groups before it still waiting
+        self.order = 0  # its step: above every group before it
+        self.at = 0  # running ranks whose last line it is
+        self.low = ranks[0] if ranks else 1 << 62  # its lowest rank
+        self.out = False
+        self.said: str | None = None  # its detail, once asked (a group out does not change)
 
     @property
     def label(self) -> str:
@@ -81,6 +73,44 @@ class Group:
         if len(self.ranks) == 1:
             return f"rank {self.ranks[0]}"
         return f"ranks {rank_set(self.ranks)}"
+
+    @property
+    def detail(self) -> str:
+        """Each rank's numbers where they differ, the extremes named first ('' if none)."""
+        if len(self.ranks) < 2 or not self.values or not isinstance(self.values[0], tuple):
+            return ""
+        if self.said is None or not self.out:
+            self.said = detail(self.key, self.values, self.ranks)
+        return self.said
+
+    def each(self) -> list[tuple[int, str]]:
+        """Every rank's own line, as it printed it."""
+        return [(rank, self._own(i)) for i, rank in enumerate(self.ranks)]
+
+    def _own(self, i: int) -> str:
+        values = self.values[i] if self.values else ()
+        if isinstance(values, str) or not values:
+            return values or self.key
+        pieces = self.key.split("\x00")
+        line = [pieces[0]]
+        for value, piece in zip(values, pieces[1:], strict=True):
+            line += [value, piece]
+        return "".join(line)
+
+    def line_of(self, rank: int) -> str:
+        """``rank``'s own line (the folded line if it did not print this one)."""
+        if len(self.ranks) < 2 or rank not in self.ranks:
+            return self.text
+        return self._own(self.ranks.index(rank))
+
+    def settle_text(self) -> None:
+        """The line as shown: the shape with the ranks' numbers, or the slowest bar."""
+        if len(self.ranks) < 2 or not self.values:
+            return
+        if isinstance(self.values[0], str):
+            self.text = bar(self.values, self.ranks)
+        elif self.values[0]:
+            self.text = render(self.key, self.values)
 
 
 PARTIAL_MAX = 1 << 14  # characters of an unfinished line kept (its end), at most
@@ -140,13 +170,10 @@ class Folder:
         self.clock = clock
         self._partial: dict[tuple[int, str], Lines] = {}  # each rank's unfinished lines
         self._seq = 0
-        self._open: deque[Group] = deque()
+        self._open = 0  # groups waiting
+        self._ready: list[tuple[int, int, int, Group]] = []  # heap: groups with none before
         self._by_key: dict[tuple[str, str], list[Group]] = {}
-        # the newest group each rank joined (-1: none yet; None: the rank ended), how many
-        # ranks are at each group, and the oldest of those: groups up to it are settled
-        self._last: dict[int, int | None] = {}
-        self._at: dict[int, int] = {}
-        self._low = _NEVER
+        self._last: dict[int, Group | None] = {}  # running ranks: the group each joined last
         for rank in ranks:
             self.expect(rank)
 
@@ -202,65 +229,113 @@ class Folder:
             return [Group(-1, line, stream, line, now, [rank]) for line in lines]
         if not lines:
             return []
-        start = self._last.get(rank)
-        if start is None:  # a rank outside the cell, or printing after its end
+        if rank not in self._last:  # a rank outside the cell, or printing after its end
             self.expect(rank)
-            start = self._last[rank]
-        # the hot path of every printed line: kept flat, about 1.5 us a line
-        by_key, opened, seq, last = self._by_key, self._open, self._seq, start
+        prev = self._last[rank]
         for line in lines:
-            key = (stream, fold_key(line) if "%|" in line else line)
-            group = None
-            same = by_key.get(key)
-            if same is not None:
-                for g in same:
-                    if g.seq > last:
-                        group = g
-                        break
+            key, values = shape(line)
+            group = self._joinable(self._by_key.get((stream, key)), prev)
             if group is None:
-                group = Group(seq, key[1], stream, line, now)
-                seq += 1
-                opened.append(group)
-                if same is None:
-                    by_key[key] = [group]
-                else:
-                    same.append(group)
+                group = self._opened(rank, stream, key, line, now, prev)
+            elif prev is not None and not prev.out:
+                self._after(prev, group)
+            elif rank < group.low:  # it comes out earlier now
+                group.low = rank
+                heapq.heappush(self._ready, (group.order, rank, group.seq, group))
+            if rank < group.low:
+                group.low = rank
             group.ranks.append(rank)
-            group.text = line  # a bar shows its last (slowest) rank's state
-            last = group.seq
-        self._seq = seq
-        self._leave(start)  # the rank moved from group ``start`` to ``last``
-        self._enter(rank, last)
-        head = opened[0]
-        if head.seq <= self._low or now - head.born >= self.window:
-            return self.due(now)
-        return []
+            group.values.append(line if values is None else values)
+            if prev is not None:
+                prev.at -= 1
+            group.at += 1
+            prev = group
+        self._last[rank] = prev
+        return self.due(now)
+
+    def _joinable(self, same: list[Group] | None, prev: Group | None) -> Group | None:
+        """The oldest waiting group of a shape that a rank whose last group is ``prev``
+        can join: one that does not come before ``prev`` (nor is it)."""
+        if not same:
+            return None
+        for group in same:
+            if prev is None or prev.out:
+                return group
+            if group is not prev and not self._reaches(group, prev):
+                return group
+        return None
+
+    def _reaches(self, start: Group, goal: Group) -> bool:
+        """Does ``goal`` come after ``start``? Steps only rise along the graph, so the
+        search stays below ``goal``'s step; past SEARCH groups, say yes (do not join)."""
+        if start.order >= goal.order:
+            return False
+        stack, seen = [start], {id(start)}
+        while stack:
+            for group in stack.pop().nexts.values():
+                if group is goal:
+                    return True
+                if group.order < goal.order and id(group) not in seen:
+                    if len(seen) > SEARCH:
+                        return True
+                    seen.add(id(group))
+                    stack.append(group)
+        return False
+
+    def _opened(
+        self, rank: int, stream: str, key: str, line: str, now: float, prev: Group | None
+    ) -> Group:
+        group = Group(self._seq, key, stream, line, now)
+        group.low = rank
+        self._seq += 1
+        self._open += 1
+        self._by_key.setdefault((stream, key), []).append(group)
+        if prev is not None:  # a step after the rank's last (out or not: steps stay put)
+            group.order = prev.order + 1
+        if prev is not None and not prev.out:
+            prev.nexts[id(group)] = group
+            group.npred = 1
+        else:
+            heapq.heappush(self._ready, (group.order, rank, group.seq, group))
+        return group
+
+    def _after(self, prev: Group, group: Group) -> None:
+        """``group`` comes after ``prev`` from now on: steps raised where they must be."""
+        if id(group) in prev.nexts:  # another rank went the same way: nothing new
+            return
+        prev.nexts[id(group)] = group
+        group.npred += 1
+        stack = [(group, prev.order + 1)]
+        while stack:
+            g, order = stack.pop()
+            if g.order < order:
+                g.order = order
+                stack.extend((n, order + 1) for n in g.nexts.values())
 
     def expect(self, rank: int) -> None:
-        """``rank`` runs from now on: lines opened from here wait for it (or the window)."""
-        if self._last.get(rank) is None:
-            self._enter(rank, self._seq - 1)
+        """``rank`` runs from now on: lines wait for it (or the window)."""
+        self._last.setdefault(rank, None)
 
     def finish(self, rank: int, now: float | None = None) -> list[Group]:
         """``rank`` prints no more in this cell: its unfinished lines count as lines, and
         groups waiting only for it can go."""
         out = self._unfinished(rank)
-        if self._last.get(rank) is not None:
-            self._leave(self._last[rank])
-            self._last[rank] = None
+        if rank in self._last:
+            last = self._last.pop(rank)
+            if last is not None:
+                last.at -= 1
         return out + self.due(now)
 
     def due(self, now: float | None = None) -> list[Group]:
-        """The groups ready now: settled, or older than the window, from the oldest."""
+        """The groups ready now: settled, or older than the window, earliest step first."""
         if now is None:
             now = self.clock()
         out = []
-        while self._open:
-            head = self._open[0]
-            if head.seq > self._low and now - head.born < self.window:
-                break
+        while True:
+            group = self._head()
+            if group is None or (now - group.born < self.window and not self._settled(group)):
+                return out
             out.append(self._pop())
-        return out
 
     def flush(self) -> list[Group]:
         """Every group still open, then each rank's unfinished line as a line of its own
@@ -268,38 +343,60 @@ class Folder:
         out = []
         for rank in sorted({rank for rank, _ in self._partial}):
             out += self._unfinished(rank)
-        return out + [self._pop() for _ in range(len(self._open))]
+        while self._head() is not None:
+            out.append(self._pop())
+        return out
 
     @property
     def pending(self) -> int:
-        return len(self._open)
+        return self._open
+
+    def _head(self) -> Group | None:
+        """The group to come out next (none before it waits), or None."""
+        ready = self._ready
+        while ready:
+            order, low, _, group = ready[0]
+            if group.out or group.npred:
+                heapq.heappop(ready)  # joined since: it waits for another group now
+            elif (order, low) != (group.order, group.low):
+                heapq.heapreplace(ready, (group.order, group.low, group.seq, group))
+            else:
+                return group
+        return None
+
+    def _settled(self, group: Group) -> bool:
+        """Has every running rank printed ``group`` or a line after it? (Past SEARCH
+        groups: not yet; the window lets it go.)"""
+        need = len(self._last)
+        if group.at >= need:  # every running rank's last line (the usual shared line)
+            return True
+        stack, seen, count = [group], {id(group)}, 0
+        while stack:
+            g = stack.pop()
+            count += g.at
+            if count >= need:
+                return True
+            for n in g.nexts.values():
+                if id(n) not in seen:
+                    if len(seen) > SEARCH:
+                        return False
+                    seen.add(id(n))
+                    stack.append(n)
+        return count >= need
 
     def _pop(self) -> Group:
-        group = self._open.popleft()
-        key = (group.stream, group.key)
-        same = self._by_key[key]
+        group = heapq.heappop(self._ready)[3]
+        group.out = True
+        self._open -= 1
+        same = self._by_key[(group.stream, group.key)]
         if len(same) == 1:
-            del self._by_key[key]
+            del self._by_key[(group.stream, group.key)]
         else:
             same.remove(group)
+        for n in group.nexts.values():
+            n.npred -= 1
+            if not n.npred:
+                heapq.heappush(self._ready, (n.order, n.low, n.seq, n))
+        group.nexts = {}
+        group.settle_text()
         return group
-
-    def _enter(self, rank: int, seq: int) -> None:
-        self._last[rank] = seq
-        self._at[seq] = self._at.get(seq, 0) + 1
-        self._low = min(self._low, seq)
-
-    def _leave(self, seq: int) -> None:
-        self._at[seq] -= 1
-        if not self._at[seq]:
-            del self._at[seq]
-            if seq == self._low:
-                self._raise_low()
-
-    def _raise_low(self) -> None:
-        """The oldest rank moved on: the next oldest, scanning up (once over a cell)."""
-        if not self._at:
-            self._low = _NEVER
-            return
-        while self._low not in self._at:
-            self._low += 1

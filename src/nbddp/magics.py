@@ -220,7 +220,7 @@ class DDPMagics(PoolCommands, Magics):
             auto, more, imports = self.capture.ship(pool, cell, ranks, explicit, imports)
             versions.update(more)
         events = pool.run(
-            cell,
+            "\n" + cell,  # the %%ddp line is line 1: line numbers read as the cell shows them
             ranks=ranks,
             needs=needs,
             auto=auto,
@@ -269,7 +269,7 @@ class DDPMagics(PoolCommands, Magics):
         elif out is not None:
             self.shell.user_ns[out] = [end.values.get(r) for r in range(pool.world_size)]
         try:
-            raise_for_end(end, pool.hosts)
+            raise_for_end(end, pool.hosts, f"In [{self.shell.execution_count}]" if cell else "")
         except CellFailed as exc:  # the error carries the notes: say only the hints beside it
             for hint in launcher_hints(end):
                 say(hint)

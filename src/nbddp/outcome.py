@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from . import payload
 from . import protocol as P
 from .carriers import twin
 from .errors import CellFailed, CellInterrupted, RankDied, RankFailed
+from .stacks import CELL_PREFIX
 from .supervisor import CellSupervisor
 
 __all__ = ["Outcome", "RawValue", "failures_of", "load_value", "owned_files", "raise_for_end"]
@@ -73,6 +75,7 @@ class Outcome:
         self.values: dict[int, object] = {}
         self.errors: dict[int, P.ErrorInfo] = {}
         self.exits: dict[int, P.RankExit] = {}
+        self.code = ""  # the cell's source: a SIGKILL it sends itself is not the OOM killer's
 
     def finish(self, rank: int) -> list:
         """The rank's outcome is complete: its events."""
@@ -135,12 +138,23 @@ def failures_of(end: P.CellEnd, hosts: dict[int, str] | None = None) -> list:
     return failures
 
 
-def raise_for_end(end: P.CellEnd, hosts: dict[int, str] | None = None) -> None:
+def named_cell(failure, cell: int, label: str):
+    """``failure`` with its traceback's ``<ddp-cell-4>`` read as ``In [6]``."""
+    if not isinstance(failure, RankFailed):
+        return failure
+    tb = failure.traceback.replace(f'"{CELL_PREFIX}cell-{cell}>"', f'"{label}"')
+    return dataclasses.replace(failure, traceback=tb)
+
+
+def raise_for_end(end: P.CellEnd, hosts: dict[int, str] | None = None, label: str = "") -> None:
     """Raise the one error that says how the cell failed, if it did: the root cause first.
 
-    With ``hosts`` (a pool on several hosts), each rank is named with its host.
+    With ``hosts`` (a pool on several hosts), each rank is named with its host; with
+    ``label`` (``In [6]``), tracebacks name the cell as the notebook does.
     """
     failures = failures_of(end, hosts)
+    if label:
+        failures = [named_cell(f, end.cell, label) for f in failures]
     if end.interrupted:
         raise CellInterrupted(end.interrupted, failures, list(end.notes), end.stacks)
     if failures:

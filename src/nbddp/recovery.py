@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from . import healing
 from . import protocol as P
 from . import stacks as S
-from .deathnote import replaced_note
+from .deathnote import killer_hint, replaced_note
 from .errors import PoolClosedError, PoolStartError, RankDied
 from .gpus import pool_plan
 from .hub import Gone
@@ -84,14 +84,14 @@ def reform(pool, sup, out, quiet: bool = False):
     if had:  # ranks died while the group formed: a new process took each one's place
         took, fresh = time.monotonic() - t0, _fresh(pool, had)
         healed = healing.heal(pool, sorted(had))  # --heal: before the next cell
-        pool.notes += _replaced_notes(pool, had, took, fresh, healed)
+        pool.notes += _replaced_notes(pool, had, took, fresh, healed, out.code)
         yield from _replaced_events(had)
         return
     if quiet:
         return
     stopped = [r for r in out.done if r not in sup.aborted_running]
-    waits = sorted({w for r in sup.aborted_running if (w := sup.waiting_in(r))})
-    how = f"waiting in {', '.join(waits)}" if waits else "maybe in a collective"
+    waits = collectives_of(sup, out)
+    how = f"waiting in {', '.join(waits)}" if waits else "in a collective"
     what = (
         f"{S.rank_set(stopped)} had stopped while {S.rank_set(sup.aborted_running)} "
         f"still ran ({how})"
@@ -105,19 +105,29 @@ def reform(pool, sup, out, quiet: bool = False):
     )
 
 
+def collectives_of(sup, out) -> list[str]:
+    """The collectives the ranks still running were in: where their stacks were seen, or
+    what their errors came out of (the failure message names the same calls)."""
+    running = sup.aborted_running
+    seen = {w for r in running if (w := sup.waiting_in(r))}
+    seen |= {e.collective for r, e in out.errors.items() if r in running and e.collective}
+    return sorted(seen)
+
+
 def _rebuilt(pool) -> str:
     return " (nbddp rebuilt `mesh` and `group`)" if pool.mesh or pool.groups else ""
 
 
-def replace(pool, dead: list[int]):
+def replace(pool, dead: list[int], code: str = ""):
     """New processes in place of the ``dead`` ranks, the group re-formed with all of them;
-    every other rank keeps its namespace. The notes say what the dead ranks held."""
+    every other rank keeps its namespace. The notes say what the dead ranks held (``code``:
+    the cell's, which may have sent a SIGKILL itself)."""
     t0 = time.monotonic()
     had = yield from _formed_again(pool, dead)
     if had is not None:
         took, fresh = time.monotonic() - t0, _fresh(pool, had)
         healed = healing.heal(pool, sorted(had))  # --heal: before the next cell
-        pool.notes += _replaced_notes(pool, had, took, fresh, healed)
+        pool.notes += _replaced_notes(pool, had, took, fresh, healed, code)
         yield from _replaced_events(had)
 
 
@@ -132,7 +142,7 @@ def _fresh(pool, had: dict) -> dict[int, frozenset[str]]:
     return {r: frozenset(h.name for h in table[r].held) | table[r].names for r in had}
 
 
-def _replaced_notes(pool, had: dict, took: float, fresh: dict, healed) -> list[str]:
+def _replaced_notes(pool, had: dict, took: float, fresh: dict, healed, code: str = "") -> list[str]:
     notes = [line for r in sorted(had) for line in replaced_note(r, had[r].held, fresh[r], healed)]
     new = S.rank_set(sorted(had)).replace("rank", "new rank", 1)
     if len(had) < pool.world_size:
@@ -144,15 +154,8 @@ def _replaced_notes(pool, had: dict, took: float, fresh: dict, healed) -> list[s
         notes.append(f"the process group was formed again with the {new} in {took:.2f} s")
     for rank, dead in sorted(had.items()):
         if dead.code == -signal.SIGKILL:
-            notes.append(_oom_hint(rank))
+            notes += killer_hint(rank, code)
     return notes
-
-
-def _oom_hint(rank: int) -> str:
-    return (
-        f"nothing in nbddp sent rank {rank} SIGKILL: the usual sender is the "
-        "kernel's out-of-memory killer (see `dmesg`)"
-    )
 
 
 def _formed_again(pool, dead: list[int]):
@@ -259,7 +262,7 @@ def rank_died(pool, sup, out, r):
     yield P.RankState(r.rank, "dead")
     sup.died(r.rank, time.monotonic())
     if r.returncode == -signal.SIGKILL and not can_replace(pool):
-        pool.notes.append(_oom_hint(r.rank))  # (else said after the replacement's notes)
+        pool.notes += killer_hint(r.rank, out.code)  # (else said after the replacement's)
 
 
 def _stop_note(pool, action) -> str:

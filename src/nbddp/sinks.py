@@ -82,7 +82,9 @@ class TextSink:
         self._shown = 0
         self._tail: deque[Group] = deque(maxlen=tail)
         self._dropped = 0
-        self._held: dict[int, deque[Group]] = {}  # quiet: each rank's last lines
+        # quiet: each rank's last lines, numbered in the order they came out
+        self._held: dict[int, deque[tuple[int, Group]]] = {}
+        self._came = 0
 
     def _tag(self, group: Group) -> str:
         if len(group.ranks) == 1 and group.ranks[0] in self.hosts:
@@ -135,9 +137,10 @@ class TextSink:
     def _take(self, groups: list[Group]) -> None:
         for group in groups:
             if self.quiet:
+                self._came += 1
                 for rank in group.ranks:
                     self._held.setdefault(rank, deque(maxlen=self._head + self._tail.maxlen))
-                    self._held[rank].append(group)
+                    self._held[rank].append((self._came, group))
             elif self._shown < self._head:
                 self._shown += 1
                 self._write(group)
@@ -153,9 +156,14 @@ class TextSink:
         self._take(self._fold.flush())
         if self.quiet:
             failed = set() if end is None else set(end.errors) | set(end.exits)
-            shown = {id(g): g for r in sorted(failed) for g in self._held.get(r, ())}
-            for group in sorted(shown.values(), key=lambda g: g.seq):
-                self._write(group)
+            shown = {i: g for r in sorted(failed) for i, g in self._held.get(r, ())}
+            for _, group in sorted(shown.items(), key=lambda ig: ig[0]):
+                mine = [r for r in group.ranks if r in failed]
+                if len(mine) == 1:  # one failed rank: its own line, as it printed it
+                    text = group.line_of(mine[0])
+                    self._stream(group.stream).write(f"[rank {mine[0]}] {text}\n")
+                else:
+                    self._write(group)
         else:
             if self._dropped:
                 self._stream("stderr").write(f"[nbddp] ... {self._dropped} lines not shown ...\n")

@@ -61,11 +61,12 @@ def collective(frames: tuple[Frame, ...]) -> str | None:
     """The torch.distributed call a rank waits in (``all_reduce``), else None.
 
     The outermost torch.distributed frame below the user's code names the
-    call; decorator wrappers (c10d_logger's ``wrapper``) are skipped.
+    call; decorator wrappers (c10d_logger's ``wrapper``) are skipped. A module's
+    top level there (``<module>``) is an import under way, not a collective.
     """
     for f in frames:
         if any(part in f[0] for part in _DIST) and f[2] not in _WRAPPERS:
-            return f[2]
+            return None if f[2] == "<module>" else f[2]
     return None
 
 

@@ -1,0 +1,132 @@
+"""What folds with what, and how a folded line reads.
+
+A line's *shape* is its text with every number taken out: ``rank 3 epoch 2 loss
+0.3633`` and ``rank 5 epoch 2 loss 0.4121`` have one shape, so 64 ranks' loss lines
+fold into one line, ``rank {0-63} epoch 2 loss {0.3333..0.9633}``: a number every rank
+printed alike shows as printed, integers that differ as the set they make, other
+numbers as their range. Each rank's values stay in the group (:func:`detail`: the
+extremes named, then every rank's values).
+
+A tqdm bar's shape is its description alone: bars of ranks at different speeds fold
+into one, drawn as the slowest rank's bar with the spread of the others (:func:`bar`).
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["bar", "detail", "is_progress", "rank_set", "render", "shape"]
+
+# tqdm's default layout: "desc: 100%|█████| 10/10 [00:01<00:00,  9.81it/s]"
+_BAR = re.compile(r"^(?P<desc>.*?)\s*\d+%\|.*\|\s*(?P<n>[\d.]+[kMG]?)/(?P<total>\S+)(?:\s.*)?$")
+# tqdm with no total: "45it [00:01, 30.12it/s]"
+_BAR_OPEN = re.compile(r"^.*\d+(?:\.\d+)?[kMG]?it \[[^\]]*(?:it/s|s/it)[^\]]*\]\s*$")
+# a number: at most 24 digits a part (a longer run of digits is several numbers: int() and
+# float() of each stay cheap and within Python's limits)
+_NUMBER = re.compile(r"(-?\d{1,24}(?:\.\d{1,24})?(?:[eE][-+]?\d{1,3})?)")
+SET_MAX = 24  # characters of an integer set shown in a line; more: its range
+DETAIL_RANKS = 64  # ranks whose values the detail lists, at most
+
+
+def is_progress(line: str) -> bool:
+    """A tqdm bar: tqdm writes to stderr, and a bar is progress, not an error."""
+    return bool(_BAR.match(line) or _BAR_OPEN.match(line))
+
+
+def shape(line: str) -> tuple[str, tuple[str, ...] | None]:
+    """``(key, values)``: what two ranks' lines must share to fold, and this line's
+    numbers (None for a bar, whose line is its value)."""
+    if "%|" in line:
+        m = _BAR.match(line)
+        if m:
+            return "\x01bar " + m.group("desc"), None
+    parts = _NUMBER.split(line)
+    if len(parts) == 1:
+        return line, ()
+    return "\x00".join(parts[0::2]), tuple(parts[1::2])
+
+
+def rank_set(ranks) -> str:
+    """``[0, 1, 2, 3, 5]`` -> ``0-3,5``."""
+    out, ranks = [], sorted(ranks)
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _slot(column: list[str]) -> str:
+    """One number as the folded line shows it: as printed, a set of integers, a range."""
+    first = column[0]
+    if all(v == first for v in column):
+        return first
+    if all(_integer(v) for v in column):
+        shown = rank_set({int(v) for v in column})
+        if len(shown) <= SET_MAX:
+            return "{" + shown + "}"
+    low, high = min(column, key=float), max(column, key=float)
+    return "{" + low + ".." + high + "}"
+
+
+def _integer(text: str) -> bool:
+    return text.lstrip("-").isdigit()
+
+
+def render(key: str, values: list[tuple[str, ...]]) -> str:
+    """The folded line: the shape with each number as :func:`_slot` shows it."""
+    pieces = key.split("\x00")
+    out = [pieces[0]]
+    for i, piece in enumerate(pieces[1:]):
+        out.append(_slot([v[i] for v in values]))
+        out.append(piece)
+    return "".join(out)
+
+
+def bar(lines: list[str], ranks: list[int]) -> str:
+    """Bars of several ranks as one: the slowest rank's, then where the others are."""
+    counts = []
+    for line in lines:
+        m = _BAR.match(line)
+        counts.append(_count(m.group("n")) if m else 0.0)
+    slow = min(range(len(lines)), key=lambda i: (counts[i], ranks[i]))
+    fast = max(counts)
+    if counts[slow] == fast:
+        return lines[slow]
+    m = _BAR.match(lines[max(range(len(lines)), key=counts.__getitem__)])
+    ahead = m.group("n") if m else f"{fast:g}"
+    return f"{lines[slow]}  (slowest: rank {ranks[slow]}; the others up to {ahead})"
+
+
+def _count(text: str) -> float:
+    scale = {"k": 1e3, "M": 1e6, "G": 1e9}.get(text[-1:], 1.0)
+    return float(text.rstrip("kMG") or 0) * scale
+
+
+def detail(key: str, values: list[tuple[str, ...]], ranks: list[int]) -> str:
+    """Each rank's values of a folded line, the ranks with the extreme values first:
+    what the dashboard shows when the line is pointed at (empty when nothing differs)."""
+    if not values or not values[0]:
+        return ""
+    names = [piece.split()[-1] if piece.split() else "#" for piece in key.split("\x00")[:-1]]
+    notes = []
+    for i, name in enumerate(names):
+        column = [v[i] for v in values]
+        if len(set(column)) < 2 or [int(v) for v in column if _integer(v)] == ranks:
+            continue
+        low = min(range(len(column)), key=lambda j: float(column[j]))
+        high = max(range(len(column)), key=lambda j: float(column[j]))
+        notes.append(
+            f"{name} lowest {column[low]} on rank {ranks[low]}, "
+            f"highest {column[high]} on rank {ranks[high]}"
+        )
+    if not notes:
+        return ""
+    order = sorted(range(len(ranks)), key=ranks.__getitem__)
+    each = [f"rank {ranks[j]}: {' '.join(values[j])}" for j in order[:DETAIL_RANKS]]
+    if len(order) > DETAIL_RANKS:
+        each.append(f"… {len(order) - DETAIL_RANKS} more ranks")
+    return "\n".join(notes + each)
