@@ -45,6 +45,7 @@ from .wire import Channel
 
 __all__ = [
     "BACKLOG",
+    "IDLE_TIMEOUT",
     "Backlog",
     "Batch",
     "Bye",
@@ -69,6 +70,7 @@ __all__ = [
 
 VERSION = 2  # 2: requests and answers carry an id
 BACKLOG = 10_000  # output events kept for a kernel that does not read them now
+IDLE_TIMEOUT = 3600.0  # s without a kernel before the pool stops itself (0: never)
 
 
 class Link:
