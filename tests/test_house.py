@@ -21,7 +21,7 @@ CORE = {
     "copying", "detached", "detached_client", "detached_wire", "pool_calls", "wire",
     "handshake", "private", "tls", "markers", "resizing", "healing", "deathnote",
     "carriers", "detached_folder", "detached_kernels", "detached_outbox", "detached_pool",
-    "gpus", "pool_life",
+    "gpus", "pool_life", "codec",
 }  # fmt: skip
 FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",
@@ -38,7 +38,7 @@ WORKER = {
 # authenticated connections and private files
 SHARED = {
     "protocol", "events", "errors", "stacks", "payload", "launch", "listener", "streams", "store",
-    "wire", "handshake", "private", "tls", "markers", "carriers", "gpus",
+    "wire", "handshake", "private", "tls", "markers", "carriers", "gpus", "codec",
 }  # fmt: skip
 NOTEBOOK_SIDE = CORE - SHARED
 FRONT_END_LIBRARIES = ("IPython", "ipykernel", "ipywidgets", "anywidget")
