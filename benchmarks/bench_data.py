@@ -16,7 +16,7 @@ import argparse
 import json
 
 import torch
-from timing import timed
+from timing import timed, without
 
 
 def nbddp_figures(n: int, t: torch.Tensor, pull_numel: int, repeat: int) -> dict:
@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--no-ipyparallel", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args()
+    args.no_ipyparallel = without("ipyparallel", args.no_ipyparallel)
 
     t = torch.randn(args.mb * 2**20 // 4)
     pull_numel = args.pull_mb * 2**20 // 4

@@ -38,6 +38,8 @@ import socket
 import statistics
 import time
 
+from timing import without
+
 MARK = "import time as _t\nprint('FAIL_AT', _t.time(), flush=True)\n"
 READY = "print('ready', flush=True)\n"
 COLL = "import torch.distributed as dist\nt = torch.ones(1)\n"
@@ -318,6 +320,7 @@ def main() -> None:
     parser.add_argument("--deaths-only", action="store_true", help="only the death section")
     parser.add_argument("--json")
     args = parser.parse_args()
+    args.no_ipyparallel = without("ipyparallel", args.no_ipyparallel)
 
     everything: dict = {"deaths": {}}
     for n in args.ranks:

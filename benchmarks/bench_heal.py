@@ -1,9 +1,9 @@
 """``--heal`` figures: ``python benchmarks/bench_heal.py [--ranks 4 8] [--mb 100]``.
 
 Every rank holds a DDP model of about ``--mb`` MB and its Adam optimizer (after one
-step: two more tensors per parameter, so 3x the model's bytes in all). Rank N-2
-prints the time and SIGKILLs itself while the others wait in ``all_reduce``. For
-each world size, side by side:
+step: two more tensors per parameter, so 3x the model's bytes in all). Rank N-2 (rank 1
+of 2: never rank 0, the heal's source) prints the time and SIGKILLs itself while the
+others wait in ``all_reduce``. For each world size, side by side:
 
 - ``replace``: the pool without ``--heal`` (a new process takes the dead rank's
   place, fresh: the model and optimizer are gone on it);
@@ -62,7 +62,7 @@ def one(n: int, heal: bool, mb: float) -> dict:
         step = STEP.format(width=width)
         pool.execute(MODEL.format(width=width) + step)
         size = pool.execute("sum(p.numel() * 4 for p in model.parameters()) / 2**20")[0]
-        bad = n - 2
+        bad = max(n - 2, 1)  # (not rank 0: the heal's source)
         died, end = None, None
         for event in pool.run(DIE.format(bad=bad)):
             if isinstance(event, P.Output) and "DIED_AT" in event.text:
@@ -96,6 +96,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--mb", type=float, default=100.0)
     args = parser.parse_args()
+    if min(args.ranks) < 2:
+        parser.error("--ranks: 2 or more each (rank 0 is the heal's source, another one dies)")
     rows = []
     for n in args.ranks:
         for heal in (False, True):

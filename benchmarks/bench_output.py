@@ -19,6 +19,7 @@ import time
 
 from jupyter_client.manager import start_new_kernel
 from kernel_value import kernel_value
+from timing import without
 
 LOOP = (
     "import time, sys, os\n"
@@ -117,6 +118,7 @@ def main() -> None:
     parser.add_argument("--no-ipyparallel", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args()
+    args.no_ipyparallel = without("ipyparallel", args.no_ipyparallel)
     n, lines = args.ranks, args.lines
 
     km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)

@@ -97,13 +97,14 @@ def memory_over_cells(cells: int, n: int, procs: int) -> dict:
 
     pool, sims, _ = simulated(n, procs)
     me = psutil.Process()
-    rss = []
+    warm = min(100, cells)  # the first measure, after the caches filled (fewer: at the end)
+    rss = {}
     try:
-        for i in range(cells):
+        for i in range(1, cells + 1):
             cell(pool, "print('step', 1)", dashboard(pool))
-            if i in (99, cells - 1):
+            if i in (warm, cells):
                 gc.collect()
-                rss.append(me.memory_info().rss / 2**20)
+                rss[i] = me.memory_info().rss / 2**20
     finally:
         pool.stop()
         for s in sims:
@@ -111,8 +112,9 @@ def memory_over_cells(cells: int, n: int, procs: int) -> dict:
     return {
         "cells": cells,
         "ranks": n,
-        "rss_mib_at_100": rss[0],
-        "rss_mib_at_end": rss[1],
+        "warm_cells": warm,
+        "rss_mib_at_warm": rss[warm],
+        "rss_mib_at_end": rss[cells],
         "live_widgets": len(_instances),
     }
 
@@ -226,8 +228,8 @@ def main() -> None:
         m = results["memory"]
         print(
             f"\nmemory over {m['cells']} dashboard cells at {m['ranks']} ranks: "
-            f"{m['rss_mib_at_100']:.1f} MiB after 100, {m['rss_mib_at_end']:.1f} MiB after "
-            f"{m['cells']} ({m['rss_mib_at_end'] - m['rss_mib_at_100']:+.1f}); "
+            f"{m['rss_mib_at_warm']:.1f} MiB after {m['warm_cells']}, {m['rss_mib_at_end']:.1f} "
+            f"MiB after {m['cells']} ({m['rss_mib_at_end'] - m['rss_mib_at_warm']:+.1f}); "
             f"live widgets {m['live_widgets']}"
         )
     if args.plot:

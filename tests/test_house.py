@@ -1,6 +1,8 @@
 """The house (DESIGN.md §2): no import circles, nothing imported upward, rooms of a
 bounded size. Read from the sources with ``ast``: imports under ``TYPE_CHECKING``
-do not count (they are never run)."""
+do not count (they are never run). A circle counts a function's own imports too (they
+run when it is called); what a room brings in on import (its level, the libraries it
+needs) counts those that run on import."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ CORE = {
     "copying", "detached", "detached_client", "detached_wire", "pool_calls", "wire",
     "handshake", "private", "tls", "markers", "resizing", "healing", "deathnote",
     "carriers", "detached_folder", "detached_kernels", "detached_outbox", "detached_pool",
-    "gpus",
+    "gpus", "pool_life", "codec",
 }  # fmt: skip
 FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",
@@ -36,7 +38,7 @@ WORKER = {
 # authenticated connections and private files
 SHARED = {
     "protocol", "events", "errors", "stacks", "payload", "launch", "listener", "streams", "store",
-    "wire", "handshake", "private", "tls", "markers", "carriers", "gpus",
+    "wire", "handshake", "private", "tls", "markers", "carriers", "gpus", "codec",
 }  # fmt: skip
 NOTEBOOK_SIDE = CORE - SHARED
 FRONT_END_LIBRARIES = ("IPython", "ipykernel", "ipywidgets", "anywidget")
@@ -50,31 +52,37 @@ def _type_checking(node: ast.If) -> bool:
     )
 
 
-def _module_level(body: list[ast.stmt]):
-    """The statements that run on import: not inside functions or classes, nor under
-    ``if TYPE_CHECKING``; a function's own imports run only when it is called."""
+def _statements(body: list[ast.stmt], lazy: bool):
+    """The statements that run on import (with ``lazy``, in functions and classes too: a
+    function's own imports run when it is called); never under ``if TYPE_CHECKING``."""
     for node in body:
         if isinstance(node, ast.If) and _type_checking(node):
             continue
         yield node
         for field in ("body", "orelse", "finalbody", "handlers"):
             inner = getattr(node, field, None)
-            if isinstance(inner, list) and not isinstance(
-                node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+            if isinstance(inner, list) and (
+                lazy or not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
             ):
-                yield from _module_level(inner)
+                yield from _statements(inner, lazy)
 
 
-def imports_of(module: str) -> tuple[set[str], set[str]]:
-    """(nbddp modules, other top-level packages) that importing ``module`` imports."""
-    tree = ast.parse((SRC / f"{module}.py").read_text())
+def imports_of(module: str, lazy: bool = False) -> tuple[set[str], set[str]]:
+    """(nbddp modules, other top-level packages) that importing ``module`` imports (with
+    ``lazy``: or that its functions import when called)."""
+    return imports_in(ast.parse((SRC / f"{module}.py").read_text()), lazy)
+
+
+def imports_in(tree: ast.Module, lazy: bool) -> tuple[set[str], set[str]]:
     ours, others = set(), set()
-    for node in _module_level(tree.body):
+    for node in _statements(tree.body, lazy):
         if isinstance(node, ast.ImportFrom) and node.level:
             if node.module:
                 ours.add(node.module.split(".")[0])
             else:
                 ours.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module == "nbddp":
+            ours.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             parts = node.module.split(".")
             (ours.add(parts[1]) if parts[0] == "nbddp" else others.add(parts[0]))
@@ -89,14 +97,15 @@ def imports_of(module: str) -> tuple[set[str], set[str]]:
 
 
 MODULES = sorted(p.stem for p in SRC.glob("*.py") if p.stem not in ("__init__", "__main__"))
-GRAPH = {m: imports_of(m) for m in MODULES}
+GRAPH = {m: imports_of(m) for m in MODULES}  # on import
+EVER = {m: imports_of(m, lazy=True) for m in MODULES}  # on import or in a call
 
 
-def reachable(start: str) -> set[str]:
+def reachable(start: str, graph: dict = GRAPH) -> set[str]:
     seen, todo = set(), [start]
     while todo:
-        for dep in GRAPH[todo.pop()][0]:
-            if dep not in seen and dep in GRAPH:
+        for dep in graph[todo.pop()][0]:
+            if dep not in seen and dep in graph:
                 seen.add(dep)
                 todo.append(dep)
     return seen
@@ -110,7 +119,8 @@ def test_every_module_is_in_one_room():
 
 @pytest.mark.parametrize("module", MODULES)
 def test_no_import_circles(module):
-    assert module not in reachable(module)
+    """Of any length, a function's own imports included."""
+    assert module not in reachable(module, EVER)
 
 
 @pytest.mark.parametrize("module", sorted(CORE))
@@ -139,6 +149,11 @@ def test_the_checks_can_see_a_circle_and_an_upward_import():
         GRAPH["hub"] = (GRAPH["hub"][0] | {"pool"}, GRAPH["hub"][1] | {"IPython"})
         assert "hub" in reachable("hub")
         assert "IPython" in set().union(*(GRAPH[d][1] for d in reachable("roster")))
+        lazy = ast.parse("def connect():\n    from .detached_client import connect\n")
+        assert imports_in(lazy, lazy=True) == ({"detached_client"}, set())
+        assert imports_in(lazy, lazy=False) == (set(), set())
+        typing_only = ast.parse("if TYPE_CHECKING:\n    from . import pool\n")
+        assert imports_in(typing_only, lazy=True) == (set(), set())
     finally:
         GRAPH.clear()
         GRAPH.update(saved)

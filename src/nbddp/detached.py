@@ -40,13 +40,13 @@ from . import payload
 from . import protocol as P
 from .detached_kernels import Kernels
 from .detached_outbox import SEND_DEADLINE
+from .detached_wire import IDLE_TIMEOUT
 from .listener import bind_unix
 from .pool import Pool
 from .private import write_private
 
-__all__ = ["IDLE_TIMEOUT", "KILL_AFTER", "Supervisor", "main"]
+__all__ = ["KILL_AFTER", "Supervisor", "main"]
 
-IDLE_TIMEOUT = 3600.0  # s without a kernel before the pool stops itself (0: never)
 KILL_AFTER = 10.0  # s past the grace period a stop waits for a cell before it kills all
 CALLS = ("status", "stacks", "copy", "restart", "names_on", "listing", "stop", "ready")
 

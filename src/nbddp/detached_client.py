@@ -19,7 +19,6 @@ import time
 from . import detached_folder as F
 from . import detached_wire as W
 from . import errors as E
-from .detached import IDLE_TIMEOUT
 from .detached_pool import DetachedPool
 from .handshake import connect as wire_connect
 from .private import UnsafeFile, read_private
@@ -74,7 +73,7 @@ def start(
     name: str,
     n: int,
     *,
-    idle_timeout: float = IDLE_TIMEOUT,
+    idle_timeout: float = W.IDLE_TIMEOUT,
     timeout: float = 120.0,
     send_deadline: float | None = None,
     **options,

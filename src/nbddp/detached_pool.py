@@ -307,27 +307,37 @@ class DetachedPool(PoolCalls):
         except E.PoolClosedError:
             if not self.gone:  # taken over (or disconnected): it runs on, and that is said
                 raise
-        self.disconnect()
+        self._hang_up([])  # (the supervisor ends: nothing to hand back, no Bye to wait for)
         return said
 
     def disconnect(self) -> None:
         """Leave the pool running; another kernel (or this one) may connect again. What
         came for a cell not read to its end (ours, or one that ran meanwhile) goes back to
-        the supervisor, for the next kernel that connects."""
+        the supervisor, for the next kernel that connects.
+
+        It always leaves by Leave, Bye and Unread, never by closing alone: a kernel that
+        just closes is one that crashed, to the supervisor, whose message being written
+        then is kept for the next kernel (it may not have arrived), and so a cell this
+        kernel had read to its end would be offered again."""
         if self.closed:
             return
         wanted = {self._open, self._resumed} - {None}
         unread = [m for kept in self._kept.values() for m in kept.take()]
         try:
-            if wanted:
-                self._put(W.Leave())
-                unread += self._until_bye()
-                self._put(W.Unread(tuple(m for m in unread if m.request in wanted)))
-                unread = [m for m in unread if m.request not in wanted]
+            self._put(W.Leave())
+            unread += self._until_bye()
+            self._put(W.Unread(tuple(m for m in unread if m.request in wanted)))
+            unread = [m for m in unread if m.request not in wanted]
         except E.NbddpError:  # (gone, or too slow: what it had is dropped with it)
             pass
-        self.closed = True
-        self.conn.close()
+        self._hang_up(unread)
+
+    def _hang_up(self, unread: list) -> None:
+        """Close this kernel's end; what it holds (``unread`` too) is dropped."""
+        if not self.closed:
+            self.closed = True
+            self.conn.close()
+        unread += [m for kept in self._kept.values() for m in kept.take()]
         for msg in [*unread, *self._inbox]:
             _discard(msg)
         self._inbox.clear()

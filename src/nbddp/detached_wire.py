@@ -23,6 +23,9 @@ processes of the same user, on a socket only that user can reach::
                    <------------------------ ... Bye()   (nothing more comes)
     Unread(items) -------------------------->   (what it got but did not read: kept)
 
+A kernel always leaves by Leave, Bye and Unread: one that only closes crashed, and what
+was being written to it when it went is kept for the next kernel (it may not have come).
+
 Every request carries an id of the kernel's choosing (random at each connect, so two
 kernels' ids never meet), and everything the supervisor answers carries the id of the
 request it answers: a kernel routes what comes by id, and never takes one cell's (or a
@@ -42,6 +45,7 @@ from .wire import Channel
 
 __all__ = [
     "BACKLOG",
+    "IDLE_TIMEOUT",
     "Backlog",
     "Batch",
     "Bye",
@@ -66,6 +70,7 @@ __all__ = [
 
 VERSION = 2  # 2: requests and answers carry an id
 BACKLOG = 10_000  # output events kept for a kernel that does not read them now
+IDLE_TIMEOUT = 3600.0  # s without a kernel before the pool stops itself (0: never)
 
 
 class Link:

@@ -8,7 +8,6 @@ import time
 from IPython.core.error import UsageError
 
 from . import detached_client, detached_wire
-from .detached import IDLE_TIMEOUT
 from .errors import NbddpError
 from .session import Session, default_world_size, say
 from .sinks import columns
@@ -31,7 +30,7 @@ def start(name: str, n: int | None, idle_timeout: float | None, options: dict):
     """Start the detached pool ``name`` and connect this kernel to it."""
     t0 = time.perf_counter()
     n = n or default_world_size()
-    idle = IDLE_TIMEOUT if idle_timeout is None else idle_timeout
+    idle = detached_wire.IDLE_TIMEOUT if idle_timeout is None else idle_timeout
     try:
         pool = detached_client.start(name, n, idle_timeout=idle, **options)
     except ValueError as exc:

@@ -1,7 +1,8 @@
 """The messages between the notebook and its workers, and the events a pool yields.
 
 Every message is a frozen dataclass. This module is the only place that turns
-them into bytes and back. Authentication and framing belong to
+them into bytes and back (:func:`dumps`, :func:`loads`: an :class:`nbddp.codec.Codec`
+made for these messages). Authentication and framing belong to
 :mod:`nbddp.handshake` (a SHA-256 challenge in both directions) and
 :mod:`nbddp.wire` (frames with a MAC and a sequence number on TCP), so nothing
 here is ever decoded from a peer
@@ -45,14 +46,11 @@ Timeline of a pool::
 
 from __future__ import annotations
 
-import builtins
-import dataclasses
-import io
-import pickle
 import sys
 from dataclasses import dataclass, field
 
 from . import events
+from .codec import Codec
 from .events import *  # noqa: F403 (the events a pool yields, as P.Output, ...)
 from .markers import end_marker, split_markers  # (the streams' end markers, as P.end_marker)
 
@@ -352,60 +350,7 @@ class Shutdown:
 
 # ---------------------------------------------------------------- encoding
 
-# every message class above (ErrorInfo, Profile, Held and Script are parts of messages)
-_MESSAGES = tuple(
-    obj
-    for obj in list(globals().values())
-    if isinstance(obj, type)
-    and obj.__module__ == __name__
-    and dataclasses.is_dataclass(obj)
-    and obj not in (ErrorInfo, Profile, Held, Script)
-)
-
-
-def dumps(msg: object) -> bytes:
-    if type(msg) not in _MESSAGES:
-        raise TypeError(f"not a protocol message: {type(msg).__name__}")
-    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-_PLAIN = frozenset({"set", "frozenset", "complex", "bytearray", "range", "slice"})
-
-
-class _Restricted(pickle.Unpickler):
-    """Plain data and the classes of this module and of nbddp.events, nothing else."""
-
-    def find_class(self, module: str, name: str):
-        found = _ALLOWED.get((module, name))
-        if found is not None:
-            return found
-        if module in (__name__, events.__name__) and not hasattr(sys.modules[module], name):
-            # a message this version lacks: another nbddp version
-            raise AttributeError(f"module {module!r} has no attribute {name!r}")
-        raise pickle.UnpicklingError(f"a control message may not name {module}.{name}")
-
-
-def _allowed() -> dict:
-    """What a control message may name, by (module, name): looked up once each."""
-    out = {("builtins", n): getattr(builtins, n) for n in _PLAIN}
-    for module in (sys.modules[__name__], events):
-        for name, obj in vars(module).items():
-            ours = isinstance(obj, type) and obj.__module__ == module.__name__
-            if ours and dataclasses.is_dataclass(obj):
-                out[(module.__name__, name)] = obj
-    return out
-
-
-def loads_plain(data) -> object:
-    """Decode nbddp's own data (a message, a relay's frame) without running anything."""
-    return _Restricted(io.BytesIO(data)).load()
-
-
-def loads(data) -> object:
-    msg = loads_plain(data)
-    if type(msg) not in _MESSAGES:
-        raise TypeError(f"not a protocol message: {type(msg).__name__}")
-    return msg
-
-
-_ALLOWED = _allowed()
+# every message class above (ErrorInfo, Profile, Held and Script are parts of messages);
+# the events' classes decode too (they travel inside messages and relays' frames)
+_CODEC = Codec(sys.modules[__name__], (events,), (ErrorInfo, Profile, Held, Script))
+dumps, loads, loads_plain = _CODEC.dumps, _CODEC.loads, _CODEC.loads_plain
