@@ -254,7 +254,11 @@ class Hub:
 
     def _closed(self, rank: int, why: str) -> Gone:
         """The rank's connection was closed for what came on it: said with the next cell."""
-        self.closed.append(f"rank {rank}'s connection was closed: {why}")
+        r = self.ranks.get(rank)
+        host = getattr(r, "host", "")
+        self.closed.append(
+            f"rank {rank}'s connection was closed{f' (host {host})' if host else ''}: {why}"
+        )
         return Gone(rank, why)
 
     def live(self, rank: int) -> bool:

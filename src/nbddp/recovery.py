@@ -314,6 +314,23 @@ def _between_cells(pool, rounds: int = 64) -> list:
     return items
 
 
+def _attached_lost(pool, gone: list[int]) -> None:
+    """Ranks torchrun started went between cells (died, or their connection was closed for
+    a bad frame): said at once, in one line (which rank, which host, why), and the pool is
+    stopped; never a wait for ranks that cannot come."""
+    table = pool.roster.ranks
+    died = ", ".join(
+        RankDied(rank, pool.exit_code(table[rank]), table[rank].host).summary for rank in gone
+    )
+    closed, pool.hub.closed = pool.hub.closed, []
+    why = f" ({'; '.join(closed)})" if closed else ""
+    pool.lose()
+    raise PoolClosedError(
+        f"{died} since the last cell{why}: the attached pool was stopped (the ranks' state is "
+        "lost); start torchrun again and attach again"
+    )
+
+
 def ready_for_a_cell(pool) -> None:
     """Start the pool anew if it lost its state (said in a note); refuse a stopped pool,
     or an attached one that lost a rank (torchrun started those ranks, not us)."""
@@ -336,6 +353,8 @@ def ready_for_a_cell(pool) -> None:
             pool.notes.append(f"{RankDied(rank, r.returncode).summary} since the last cell")
         events = list(replace(pool, gone))
         pool.roster.backlog += [e for e in events if type(e) is P.Output]
+    elif gone and pool.attached:
+        _attached_lost(pool, gone)
     elif gone or pool.needs_restart:
         why = ", ".join(RankDied(rank, pool.exit_code(pool.roster[rank])).summary for rank in gone)
         pool.lose()

@@ -1,0 +1,68 @@
+"""Attached (torchrun) ranks that fail between cells, or come back after torchrun restarted
+them: said at once, in one line, never a wait for ranks that cannot come.
+
+The man in the middle is test_wire's TCP proxy between a real worker and the notebook."""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+
+import pytest
+
+from helpers import collect
+from nbddp.errors import PoolClosedError
+from test_wire import Proxy, attached_pool, attached_through, forged, token_file  # noqa: F401
+
+
+def _control(proxy: Proxy):
+    return next(c for c in proxy.conns if c.kind == "Hello")
+
+
+def _replay_hello(proxy: Proxy) -> None:
+    conn = _control(proxy)
+    conn.socks[1].sendall(conn.frames["up"][0].raw)  # the rank's Hello, again
+
+
+def _inject(proxy: Proxy) -> None:
+    conn = _control(proxy)
+    last = conn.frames["up"][-1]
+    conn.socks[1].sendall(forged(last.seq + 1, b"evil"))  # the next number, a made-up MAC
+
+
+BETWEEN = {
+    "replay the Hello": (_replay_hello, "a frame came out of order"),
+    "inject a frame": (_inject, "a frame failed its MAC check"),
+}
+
+
+@pytest.mark.parametrize("attack", list(BETWEEN))
+@pytest.mark.timeout(180)
+def test_a_bad_frame_between_cells_is_said_at_the_next_cell(attack, token_file, tmp_path):  # noqa: F811
+    """The next cell says at once which rank, which host and why, and the pool is stopped
+    (it waited 120 s for a rank that could not come, then said only that it did not start)."""
+    act, why = BETWEEN[attack]
+    pool = attached_pool(token_file)
+    proxy = Proxy(pool.listen(), lambda *_: None)
+    with attached_through(proxy, pool, token_file, tmp_path) as proc:
+        assert pool.execute("rank") == [0]
+        act(proxy)
+        # (the cell after it arrived: one that begins before is the running cell's case)
+        assert select.select([pool.roster[0].link.conn.fileno()], [], [], 10)[0]
+        t0 = time.monotonic()
+        with pytest.raises(PoolClosedError) as raised:
+            collect(pool.run("1"))
+        assert time.monotonic() - t0 < 10  # at once, not after the start timeout
+        said = str(raised.value)
+        assert "\n" not in said
+        host = socket.gethostname()
+        assert said.startswith(
+            f"rank 0 ({host}) died (connection lost) since the last cell "
+            f"(rank 0's connection was closed (host {host}): a frame failed its check: {why}"
+        )
+        assert said.endswith("start torchrun again and attach again")
+        assert not pool.take_notes()  # said once, in that line
+        assert proc.wait(30) == 1  # the notebook closed its connection: the rank ended
+        with pytest.raises(PoolClosedError, match="start torchrun again and attach again"):
+            collect(pool.run("1"))
