@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from helpers import collect
+from helpers import collect, end_all, free_port, start, torchrun_node_cmd
+from nbddp import Pool
 from nbddp.errors import PoolClosedError
 from test_wire import Proxy, attached_pool, attached_through, forged, token_file  # noqa: F401
 
@@ -66,3 +67,32 @@ def test_a_bad_frame_between_cells_is_said_at_the_next_cell(attack, token_file, 
         assert proc.wait(30) == 1  # the notebook closed its connection: the rank ended
         with pytest.raises(PoolClosedError, match="start torchrun again and attach again"):
             collect(pool.run("1"))
+
+
+@pytest.mark.timeout(240)
+def test_workers_torchrun_restarts_are_turned_away_at_once_with_the_reason(token_file, tmp_path):  # noqa: F811
+    """torchrun --max-restarts: after a rank died, the pool (stopped) turns the restarted
+    workers away at once, each says why in torchrun's log and torchrun ends; the notebook
+    says it too. (They waited for the stopped pool forever.)"""
+    pool = Pool(2, listen=("127.0.0.1", 0), token=token_file.read_bytes().strip())
+    cmd = torchrun_node_cmd(0, free_port(), pool.listen(), token_file, nodes=1)
+    cmd[3:3] = ["--max-restarts", "1", "--monitor-interval", "0.1"]
+    log_path = tmp_path / "torchrun.log"
+    with open(log_path, "wb") as log:
+        node = start(cmd, log)
+        try:
+            pool.start()
+            _, _, end = collect(pool.run("import os\nif rank == 1:\n    os._exit(5)"))
+            assert 1 in end.exits
+            assert node.wait(120) != 0  # its one restart turned away: torchrun gave up
+            said = log_path.read_text(errors="replace")
+            refused = [line for line in said.splitlines() if "refused this worker" in line]
+            assert len(refused) == 2, said  # each restarted rank, in one line
+            assert "torchrun --max-restarts" in refused[0]
+            with pytest.raises(PoolClosedError) as raised:
+                collect(pool.run("1"))
+            assert "turned away the relay of" in str(raised.value)
+            assert "\n" not in str(raised.value)
+        finally:
+            pool.stop()
+            end_all([node])

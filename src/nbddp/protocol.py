@@ -341,6 +341,15 @@ class Reform:
 
 
 @dataclass(frozen=True)
+class Refused:
+    """notebook -> a rank that connected (or its host's relay, for each of its ranks): this
+    pool takes no such rank, and why in one line; the rank says it and exits (a worker
+    torchrun restarted after the attached pool lost a rank)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class Query:
     pass
 

@@ -31,7 +31,7 @@ from .errors import PoolClosedError, PoolStartError, RankDied
 from .gpus import pool_plan
 from .hub import Gone
 from .processes import rank_env
-from .roster import RankGone
+from .roster import TAKES_NONE, RankGone
 
 __all__ = [
     "can_replace",
@@ -167,6 +167,7 @@ def _formed_again(pool, dead: list[int]):
         return None
     except PoolStartError as exc:
         pool.lose()
+        _take_no_rank(pool)
         pool.notes.append(
             state_lost(f"re-forming the process group failed ({exc}): the pool was stopped")
         )
@@ -294,6 +295,7 @@ def stop_pool(pool, sup, out, action):
         if not pool.procs.kill(o.pid):
             o.send(P.Shutdown())
     pool.reap(others, time.monotonic() + 2.0)
+    _take_no_rank(pool)
     for o in others:
         yield from pool.drain(o.rank)
         if o.rank in action.ranks:
@@ -325,10 +327,24 @@ def _attached_lost(pool, gone: list[int]) -> None:
     closed, pool.hub.closed = pool.hub.closed, []
     why = f" ({'; '.join(closed)})" if closed else ""
     pool.lose()
+    _take_no_rank(pool)
     raise PoolClosedError(
         f"{died} since the last cell{why}: the attached pool was stopped (the ranks' state is "
         "lost); start torchrun again and attach again"
     )
+
+
+def _take_no_rank(pool) -> None:
+    """An attached pool that lost a rank turns every worker that comes away at once, with
+    the reason (torchrun's restarted workers waited for it forever)."""
+    if pool.attached:
+        pool.roster.closed_to = f"the pool lost a rank and was stopped, and {TAKES_NONE}"
+
+
+def _turned_away(pool) -> str:
+    """The workers turned away since the pool was stopped, in a few words (or nothing)."""
+    lines = pool.listener.refusals(take=True) if pool.listener is not None else []
+    return f" ({'; '.join(lines)})" if lines else ""
 
 
 def ready_for_a_cell(pool) -> None:
@@ -339,6 +355,7 @@ def ready_for_a_cell(pool) -> None:
     if pool.attached and (pool.needs_restart or not pool.started):
         raise PoolClosedError(
             "the attached pool lost a rank: start torchrun again and attach again"
+            + _turned_away(pool)
         )
     items = _between_cells(pool)
     pool.roster.keep_output(items)

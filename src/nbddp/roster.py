@@ -10,6 +10,7 @@ until every rank has joined the group and said Ready.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from .hub import Gone, Hub, Link, Msg, RelayLink, Stream, Text
 __all__ = ["Rank", "RankGone", "Roster"]
 
 EXPLAINED_WITHIN = 1.0  # s a failed re-form waits for the death that explains it
+MAX_TURNED = 256  # connections turned away kept open at most (the oldest is closed)
 
 
 class RankGone(PoolStartError):
@@ -62,6 +64,12 @@ class Rank:
             return False
 
 
+TAKES_NONE = (  # why an attached pool that lost a rank turns a worker away
+    "an attached pool takes no new worker (torchrun --max-restarts restarted it?): end "
+    "torchrun, start it again and attach again"
+)
+
+
 def _version_error(who: str, version: int) -> PoolStartError:
     return PoolStartError(
         f"{who} speaks protocol {version}, the notebook {P.PROTOCOL_VERSION}: "
@@ -85,6 +93,10 @@ class Roster:
         self.on_join: Callable[[int, int], None] | None = None
         self.refuse: Callable[[str], None] = lambda _line: None
         self._early: dict[int, list] = {}  # attached: streams that came before their rank
+        # attached, stopped: why it takes no rank now (each one that comes is turned away)
+        self.closed_to: str | None = None
+        self._turned: list = []  # connections turned away, closed with the pool (not at
+        # once: a close with the peer's bytes unread resets it before it reads why)
 
     # ------------------------------------------------------------ the table
 
@@ -118,6 +130,9 @@ class Roster:
     def clear(self) -> list[Rank]:
         """Forget every rank and early stream; the connections to close."""
         ranks = list(self.ranks.values())
+        for conn in self._turned:
+            conn.close()
+        self._turned.clear()
         for early in self._early.values():
             for conn, _, relay in early:
                 if relay is None:
@@ -137,6 +152,38 @@ class Roster:
 
     # ------------------------------------------------------------ joining
 
+    def arrive(self, conn, hello: object, raw: bytes = b"") -> None:
+        """A connection the listener authenticated (from its thread): to the hub; or, when
+        this pool takes no rank now, turned away at once with the reason (no one may read
+        the hub before the next cell, and the worker would wait for it)."""
+        why = self.closed_to
+        if why is None or not isinstance(hello, (P.Hello, P.RelayHello, P.StreamHello)):
+            self.hub.arrive(conn, hello, raw)
+        else:
+            self.turn_away(conn, hello, None, why)
+
+    def turn_away(self, conn, hello, relay: RelayLink | None, why: str) -> None:
+        """Tell a rank (a relay: each of its ranks) that connected why this pool does not
+        take it, and count the refusal (said in the notebook). Its streams just close."""
+        if isinstance(hello, P.StreamHello):
+            if relay is None:
+                conn.close()
+            return
+        data = P.dumps(P.Refused(why))
+        if relay is not None:
+            relay.send((hello.rank,), data)
+        else:
+            if isinstance(hello, P.RelayHello):
+                RelayLink(conn, hello).send((), data)  # (): each of its ranks, now and later
+            else:
+                with contextlib.suppress(OSError):
+                    conn.send_bytes(data)
+            self._turned.append(conn)
+            while len(self._turned) > MAX_TURNED:
+                self._turned.pop(0).close()
+        who = "the relay" if isinstance(hello, P.RelayHello) else f"rank {hello.rank}"
+        self.refuse(f"turned away {who} of {hello.host}: {why}")
+
     def attach(self, conn, hello: object, relay: RelayLink | None = None) -> None:
         """A connection that proved it holds the token, and its first message."""
         if isinstance(hello, P.RelayHello):
@@ -153,6 +200,9 @@ class Roster:
         if r is None and self.attached and isinstance(hello, P.StreamHello):
             # its stream finished the handshake before its control connection did
             self._early.setdefault(rank, []).append((conn, hello, relay))
+            return
+        if self.attached and r is not None and r.state == "dead" and isinstance(hello, P.Hello):
+            self.turn_away(conn, hello, relay, f"rank {rank} died and {TAKES_NONE}")
             return
         if r is None or r.state == "dead" or not isinstance(hello, (P.Hello, P.StreamHello)):
             if relay is None:

@@ -72,6 +72,7 @@ class Worker:
         self.cells = CellRunner(self.rank, self.send, self.group, relayed)
         self.debug: debugger.Remote | None = None
         self.user_omp = env.get("OMP_NUM_THREADS")  # the user's own, kept for a resize
+        self.launcher_stderr = os.dup(2)  # (torchrun's log: fd 2 goes to the notebook)
 
     def serve(self) -> int:
         self._start()
@@ -124,8 +125,17 @@ class Worker:
             P.Query: self._status,
             P.StackQuery: cells.on_stack_query,
             P.Shutdown: lambda _msg: self._exit(0),
+            P.Refused: self._refused,
             P.AbortGroup: lambda msg: cells.on_abort_group(msg, self.control.inbox.put),
         }
+
+    def _refused(self, msg: P.Refused) -> None:
+        """The notebook does not take this rank (a worker torchrun restarted): said in one
+        line where its launcher logs, and the rank ends (4)."""
+        line = f"nbddp.worker: rank {self.rank}: the notebook refused this worker: {msg.reason}\n"
+        with contextlib.suppress(OSError):
+            os.write(self.launcher_stderr, line.encode())
+        self._exit(4)
 
     def _status(self, _msg: P.Query) -> None:
         self.send(P.StatusReply(psutil.Process().memory_info().rss, self.group.device))
