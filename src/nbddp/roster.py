@@ -47,6 +47,7 @@ class Rank:
     names: frozenset[str] = frozenset()  # the rank's global names, as last reported
     modules: frozenset[str] = frozenset()  # which of them are modules
     held: tuple[P.Held, ...] = ()  # every global name with its kind and size (P.Held)
+    renewable: bool = False  # attached: a holder on its host forks a new process if it dies
 
     def send(self, msg: object) -> bool:
         return self.send_bytes(P.dumps(msg))
@@ -95,6 +96,7 @@ class Roster:
         self._early: dict[int, list] = {}  # attached: streams that came before their rank
         # attached, stopped: why it takes no rank now (each one that comes is turned away)
         self.closed_to: str | None = None
+        self.renewing: P.Reform | None = None  # attached: the re-form new processes join
         self._turned: list = []  # connections turned away, closed with the pool (not at
         # once: a close with the peer's bytes unread resets it before it reads why)
 
@@ -145,8 +147,13 @@ class Roster:
         return ranks
 
     def forget(self, rank: int) -> None:
-        """Close a dead rank's connections: a new process is about to take its place."""
-        for conn in self.ranks[rank].link.connections():
+        """Close a dead rank's connections: a new process is about to take its place (behind
+        a relay, the connection is the relay's: its other ranks keep it)."""
+        link = self.ranks[rank].link
+        if link.relay is not None:
+            link.relay.ranks.discard(rank)
+            return
+        for conn in link.connections():
             self.hub.unwatch_conn(conn)
             conn.close()
 
@@ -201,6 +208,9 @@ class Roster:
             # its stream finished the handshake before its control connection did
             self._early.setdefault(rank, []).append((conn, hello, relay))
             return
+        if self.attached and r is not None and r.state == "dead" and self._renews(r, hello):
+            self._early.setdefault(rank, []).append((conn, hello, relay))  # (see renew)
+            return
         if self.attached and r is not None and r.state == "dead" and isinstance(hello, P.Hello):
             self.turn_away(conn, hello, relay, f"rank {rank} died and {TAKES_NONE}")
             return
@@ -212,6 +222,25 @@ class Roster:
             self._hello(r, conn, hello, relay)
         else:
             self._stream(r, conn, hello, relay)
+
+    def _renews(self, r: Rank, hello) -> bool:
+        """A new process of a dead rank its host's holder forked: kept until the re-form
+        that takes it in (:meth:`renew`)."""
+        return (
+            r.renewable
+            and self.closed_to is None
+            and isinstance(hello, (P.Hello, P.StreamHello))
+            and (not isinstance(hello, P.Hello) or hello.held)
+        )
+
+    def renew(self, rank: int) -> None:
+        """Attached: a new record for ``rank``, which died; its holder's new process joins
+        it (its connections, if they came already, are taken now; else as they come)."""
+        self.ranks[rank] = Rank(rank, 0)
+        early = self._early.pop(rank, [])
+        early.sort(key=lambda item: not isinstance(item[1], P.Hello))  # its Hello first
+        for item in early:
+            self.attach(*item)
 
     def _admit(self, conn, hello: P.Hello) -> bool:
         if hello.world_size != self.world_size or not 0 <= hello.rank < self.world_size:
@@ -235,6 +264,7 @@ class Roster:
             self.refuse(f"refused a second connection for rank {r.rank}: it is connected")
             return
         r.link.conn, r.link.relay, r.pid, r.host = conn, relay, hello.pid, hello.host
+        r.renewable = hello.held
         if relay is None:
             self.hub.watch(conn.fileno(), (r.rank, None))
         else:
@@ -243,6 +273,8 @@ class Roster:
             self.attach(*early)
         if self.store_port is not None and r.rank != 0:
             r.send(P.JoinGroup(self.store_port))
+        if self.renewing is not None:  # a new process of a dead rank: the re-form it joins
+            r.send(self.renewing)
         if self.on_join is not None:
             self.on_join(len(self.ranks), self.world_size)
 
