@@ -332,7 +332,9 @@ def test_a_rank_that_dies_behind_the_relay_is_replaced_on_its_host(node):
     _, _, end = collect(pool.run(code))
     assert 1 in end.exits
     assert not end.exits[1].stopped_by_pool
-    assert "rank 1: a new process took its place; it had y (gone)" in " ".join(end.notes)
+    said = " ".join(end.notes)
+    assert "rank 1: a new process took its place; it had " in said
+    assert " y (gone)" in said
     again = 0 if n > 2 else 1  # (at 2, rank 1 again: rank 0 stays, to copy from)
     pid = pool.roster[again].pid
     os.kill(pid, signal.SIGKILL)  # (rank 0 too: torchrun's agent holds the store)
@@ -351,3 +353,20 @@ def test_a_rank_that_dies_behind_the_relay_is_replaced_on_its_host(node):
     assert [after[r] for r in kept] == [before[r] for r in kept]
     assert after[again]["y"] == after[1]["y"] == before[source]["y"]  # %ddp copy
     assert proc.poll() is None  # torchrun's workers all live on
+
+
+def test_a_killed_relay_stops_the_pool_at_once_and_torchrun_ends(node):
+    """The node's relay is gone: its ranks cannot come back through it, so the pool is
+    stopped at once, not after waiting for new processes that cannot reach it."""
+    pool, proc = node
+    relay_pid = pool.hub.relays[0].pid
+    events = pool.run("import time\ntime.sleep(30)")
+    threading.Timer(0.5, os.kill, (relay_pid, signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    _, _, end = collect(events)
+    assert time.monotonic() - t0 < 20  # (the re-form's wait for new processes is 60 s)
+    assert sorted(end.exits) == list(range(pool.world_size))
+    assert any("the pool was stopped" in n for n in end.notes), end.notes
+    with pytest.raises(PoolClosedError, match="start torchrun again and attach again"):
+        pool.run("1")
+    assert proc.wait(60) != 0  # the holders' new processes found no relay: torchrun ended

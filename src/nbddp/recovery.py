@@ -76,7 +76,14 @@ def can_replace(pool) -> bool:
     rank torchrun started is held: nbddp.worker_holder)."""
     if pool.on_death != "replace":
         return False
-    return not pool.attached or all(r.renewable for r in pool.roster.ranks.values())
+    return not pool.attached or all(_renewable(r) for r in pool.roster.ranks.values())
+
+
+def _renewable(r) -> bool:
+    """An attached rank whose holder forks a new process, which can reach the notebook (a
+    host whose relay ended has lost its way there: the pool is stopped at once)."""
+    relay = r.link.relay
+    return r.renewable and (relay is None or not relay.ended)
 
 
 def reform(pool, sup, out, quiet: bool = False):
@@ -275,6 +282,7 @@ def rank_died(pool, sup, out, r):
     out.exits[r.rank] = exit_event = P.RankExit(r.rank, r.returncode, when=time.time())
     yield exit_event
     yield P.RankState(r.rank, "dead")
+    sup.replace_dead = sup.replace_dead and can_replace(pool)  # (a host's relay ended?)
     sup.died(r.rank, time.monotonic())
     if r.returncode == -signal.SIGKILL and not can_replace(pool):
         pool.notes.append(_oom_hint(r.rank))  # (else said after the replacement's notes)
