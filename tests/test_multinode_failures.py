@@ -98,3 +98,33 @@ def test_workers_torchrun_restarts_are_turned_away_at_once_with_the_reason(token
         finally:
             pool.stop()
             end_all([node])
+
+
+@pytest.mark.timeout(180)
+def test_a_torchrun_rank_whose_connection_was_closed_is_replaced(token_file, tmp_path):  # noqa: F811
+    """A frame replayed on a held torchrun rank's connection between cells: the next cell
+    says which rank, which host and why, and the rank is handled as a dead one: its holder
+    forks a new process, which takes its place (said as on a local pool)."""
+    pool = Pool(1, listen=("127.0.0.1", 0), token=token_file.read_bytes().strip())
+    proxy = Proxy(pool.listen(), lambda *_: None)
+    cmd = torchrun_node_cmd(0, free_port(), proxy.address, token_file, nodes=1, per_node=1)
+    with open(tmp_path / "torchrun.log", "wb") as log:
+        node = start(cmd, log)
+        try:
+            pool.start()
+            pool.execute("y = 1")
+            _replay_hello(proxy)
+            assert select.select([pool.roster[0].link.conn.fileno()], [], [], 10)[0]
+            _, _, end = collect(pool.run("rank", want_values=True))
+            assert end.values == {0: 0}
+            said = " ".join(end.notes)
+            host = socket.gethostname()
+            assert "rank 0 died (connection lost) since the last cell" in said
+            closed = f"rank 0's connection was closed (host {host}): a frame failed its check"
+            assert f"{closed}: a frame came out of order" in said
+            assert "rank 0: a new process took its place; it had y (gone)" in said
+            assert node.poll() is None
+        finally:
+            pool.stop()
+            proxy.close()
+            end_all([node])

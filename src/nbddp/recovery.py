@@ -9,8 +9,10 @@
   on a local pool :func:`replace` has a new process take its place while every
   other rank keeps its namespace (the group's store is a process of its own, so
   even rank 0 can die). A rank that dies again and again stops the pool
-  (``CRASH_LOOP`` deaths within ``CRASH_WINDOW`` s); ``on_death="restart"``, and
-  attached pools (torchrun started those ranks, not us), stop it at once.
+  (``CRASH_LOOP`` deaths within ``CRASH_WINDOW`` s); ``on_death="restart"`` stops
+  it at once. An attached pool's rank is replaced by the process its holder on its
+  host forks (nbddp.worker_holder); ranks without a holder, or behind a relay that
+  ended, cannot come back: the pool is stopped.
 - Ranks that do not come back (a death broke the group for good, a rank stuck
   in C past the grace period): :func:`stop_pool` stops them all, and the next
   cell starts a new pool. Every note that says state was lost is made by
@@ -292,9 +294,9 @@ def _stop_note(pool, action) -> str:
     stuck = list(action.ranks)
     if action.reason == "death" and pool.attached:
         return (
-            "the process group lost a member (a rank torchrun started cannot be replaced "
-            "from the notebook), so the pool was stopped: start torchrun again and attach "
-            "again (the ranks' state is lost)"
+            "the process group lost a member that cannot come back (a rank without a "
+            "holder, NBDDP_HOLD=0, or its host's relay ended), so the pool was stopped: "
+            "start torchrun again and attach again (the ranks' state is lost)"
         )
     if action.reason == "death":
         return state_lost(
