@@ -32,6 +32,7 @@ WORKER = {
     "worker", "worker_control", "worker_group", "worker_shims", "worker_cell",
     "worker_code", "ddp", "debugger", "profiling", "collectives", "rich", "mpl_backend",
     "worker_copy", "metrics", "loggers", "workspace", "worker_held", "worker_wrap",
+    "worker_holder",
 }  # fmt: skip
 # shared by the notebook, the worker and the relay: the wire, errors as data, stacks, the
 # listener (the relay's is the notebook's), streams, shipped data, the launcher, the

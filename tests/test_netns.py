@@ -14,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from helpers import end_all, free_port
+from helpers import collect, end_all, free_port, namespace_digests
 from nbddp import Pool, remote
 from nbddp.tls import make_server_tls
 
@@ -318,3 +319,31 @@ result
     assert reads >= 20, f"only {reads} reads while rank 1 wrote {writes} times"
     assert versions >= 2, f"rank 2 read {versions} version(s) of {writes}"
     assert entries(ws, ".rank_1_") == [], "no temp file is left, not even the earlier run's"
+
+
+# each rank's host and holder (the process torchrun started)
+HOLDERS = "(__import__('socket').gethostname(), __import__('os').getppid())"
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_rank_is_replaced_on_its_host_and_every_other_rank_keeps_its_state(shared):
+    """SIGKILL rank 3 (node-b): its holder on node-b forks a new rank 3 there, the group is
+    re-formed across both hosts, and ranks 0-2 (rank 2 on node-b too) keep their namespaces;
+    a copy through the workspace brings the new rank what it lost."""
+    pool, _ = shared
+    pool.execute("w = seeded(30 + rank, 1000)")
+    holders, before = pool.execute(HOLDERS), namespace_digests(pool)
+    pid = pool.roster[3].pid
+    os.kill(pid, signal.SIGKILL)  # (a pid of node-b's namespace: the mount ns is shared)
+    _, _, end = collect(pool.run("time.sleep(0.2)\nrank"))
+    assert 3 in end.exits
+    said = " ".join(end.notes)
+    assert "rank 3: a new process took its place" in said, said
+    assert "every other rank kept its namespace" in said
+    assert pool.execute(HOLDERS) == holders  # on node-b, under the same holder
+    after = namespace_digests(pool)
+    assert after[:3] == before[:3]
+    pool.copy(["w"], 2, [3])
+    assert namespace_digests(pool, ranks=[3])[3]["w"] == before[2]["w"]
+    code = "_t = torch.ones(1)\ntorch.distributed.all_reduce(_t)\n_t.item()"  # (new: no dist)
+    assert pool.execute(code) == [4.0] * 4

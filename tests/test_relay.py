@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ import time
 import pytest
 
 import simranks
-from helpers import collect, free_port, wait_gone
+from helpers import collect, free_port, namespace_digests, wait_gone
 from nbddp import Pool, PoolClosedError, relay, remote, wire
 from nbddp import handshake as HS
 from nbddp import protocol as P
@@ -314,18 +315,58 @@ def test_an_interrupt_reaches_every_rank_through_the_relay(node):
     assert pool.execute("rank") == list(range(pool.world_size))  # state kept, no restart
 
 
-def test_a_rank_that_dies_behind_the_relay_is_reported_and_nothing_hangs(node):
+HOLDERS = "__import__('os').getppid()"  # each rank's holder: the process torchrun started
+
+
+def test_a_rank_that_dies_behind_the_relay_is_replaced_on_its_host(node):
+    """A rank torchrun started dies (mid-collective, then SIGKILL between cells): its holder
+    forks a new one on its host, the group is re-formed with it, every other rank (on the
+    same host) keeps its namespace, and torchrun tears nothing down. (Before: the pool was
+    stopped, every rank's state lost, and torchrun ended.)"""
     pool, proc = node
-    pids = pool.pids
-    code = (
-        "import os, time, torch.distributed as dist\n"
-        "if rank == 1:\n    time.sleep(0.2)\n    os._exit(7)\n"
-        "t = torch.ones(1)\ndist.all_reduce(t)"
-    )
+    n = pool.world_size
+    pool.execute("import os, time\nimport torch.distributed as dist\ny = rank * 10")
+    holders, before = pool.execute(HOLDERS), namespace_digests(pool)
+    code = "if rank == 1:\n    time.sleep(0.2)\n    os._exit(7)\n"
+    code += "_t = torch.ones(1)\ndist.all_reduce(_t)"
     _, _, end = collect(pool.run(code))
     assert 1 in end.exits
     assert not end.exits[1].stopped_by_pool
-    with pytest.raises(PoolClosedError):
-        pool.run("x = 1")
-    assert proc.wait(60) != 0  # torchrun saw its worker die and ended the rest
-    assert wait_gone(pids) == []
+    said = " ".join(end.notes)
+    assert "rank 1: a new process took its place; it had " in said
+    assert " y (gone)" in said
+    again = 0 if n > 2 else 1  # (at 2, rank 1 again: rank 0 stays, to copy from)
+    pid = pool.roster[again].pid
+    os.kill(pid, signal.SIGKILL)  # (rank 0 too: torchrun's agent holds the store)
+    assert wait_gone([pid]) == []
+    assert select.select([pool.hub.relays[0].conn.fileno()], [], [], 10)[0]  # between cells
+    code = "_t = torch.ones(1)\ntorch.distributed.all_reduce(_t)\n_t.item()"  # (new: no dist)
+    _, _, end = collect(pool.run(code, want_values=True))
+    assert f"rank {again} died (connection lost) since the last cell" in end.notes
+    assert f"rank {again}: a new process took its place" in " ".join(end.notes)
+    assert end.values == dict.fromkeys(range(n), float(n))
+    assert pool.execute(HOLDERS) == holders  # each new process is its holder's: on its host
+    source = 2 if n > 2 else 0
+    pool.copy(["y"], source, sorted({1, again}))
+    after = namespace_digests(pool)
+    kept = [r for r in range(n) if r not in (1, again)]
+    assert [after[r] for r in kept] == [before[r] for r in kept]
+    assert after[again]["y"] == after[1]["y"] == before[source]["y"]  # %ddp copy
+    assert proc.poll() is None  # torchrun's workers all live on
+
+
+def test_a_killed_relay_stops_the_pool_at_once_and_torchrun_ends(node):
+    """The node's relay is gone: its ranks cannot come back through it, so the pool is
+    stopped at once, not after waiting for new processes that cannot reach it."""
+    pool, proc = node
+    relay_pid = pool.hub.relays[0].pid
+    events = pool.run("import time\ntime.sleep(30)")
+    threading.Timer(0.5, os.kill, (relay_pid, signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    _, _, end = collect(events)
+    assert time.monotonic() - t0 < 20  # (the re-form's wait for new processes is 60 s)
+    assert sorted(end.exits) == list(range(pool.world_size))
+    assert any("the pool was stopped" in n for n in end.notes), end.notes
+    with pytest.raises(PoolClosedError, match="start torchrun again and attach again"):
+        pool.run("1")
+    assert proc.wait(60) != 0  # the holders' new processes found no relay: torchrun ended

@@ -203,6 +203,44 @@ def test_a_second_hello_for_a_connected_rank_is_refused_and_the_first_kept(attac
     assert refused == ["refused a second connection for rank 1: it is connected"]
 
 
+def test_a_new_worker_for_a_dead_attached_rank_is_turned_away_with_the_reason():
+    """torchrun --max-restarts: the restarted worker hears why at once (it waited forever),
+    and the notebook counts it; its streams just close."""
+    ros = roster(2, attached=True)
+    refused = []
+    ros.refuse = refused.append
+    connect(ros, 1)
+    ros[1].state = "dead"
+    again = connect(ros, 1, host="node-b")
+    assert [type(m) for m in again["control"].sent] == [P.Refused]
+    assert "torchrun --max-restarts" in again["control"].sent[0].reason
+    assert again["stdout"].closed
+    assert again["stderr"].closed
+    assert refused == [f"turned away rank 1 of node-b: {again['control'].sent[0].reason}"]
+    ros.clear()
+    assert again["control"].closed  # kept open until then: it reads why before the close
+
+
+class PlainConn(FakeConn):
+    """A relay's connection: its frames are plain data (nbddp.relay)."""
+
+    def send_bytes(self, data: bytes) -> None:
+        self.sent.append(P.loads_plain(data))
+
+
+def test_a_stopped_attached_pool_turns_every_worker_away_as_it_comes():
+    ros = roster(2, attached=True)
+    ros.refuse = lambda _line: None
+    ros.closed_to = "stopped"
+    conn, relay = FakeConn(), PlainConn()
+    ros.arrive(conn, hello(0))
+    assert conn.sent == [P.Refused("stopped")]
+    ros.arrive(relay, P.RelayHello("node-b", 7))
+    sent = relay.sent  # (what a relay gets: (ranks, cell, message) in one frame)
+    assert sent == [((), 0, P.dumps(P.Refused("stopped")))]
+    assert ros.ranks == {}
+
+
 def test_a_stream_before_its_hello_is_kept_and_attached_after():
     ros = roster(2, attached=True)
     out, err, control = FakeConn(), FakeConn(), FakeConn()

@@ -87,6 +87,7 @@ class RelayLink:
     def __init__(self, conn: Channel, hello: P.RelayHello) -> None:
         self.conn, self.host, self.pid = conn, hello.host, hello.pid
         self.ranks: set[int] = set()
+        self.ended = False  # its connection closed: its host's ranks cannot come back
 
     def send(self, ranks: tuple[int, ...], data: bytes, cell: int = 0) -> bool:
         """``data`` for each of ``ranks`` (``cell``: it is that cell's Run), in one frame;
@@ -254,7 +255,11 @@ class Hub:
 
     def _closed(self, rank: int, why: str) -> Gone:
         """The rank's connection was closed for what came on it: said with the next cell."""
-        self.closed.append(f"rank {rank}'s connection was closed: {why}")
+        r = self.ranks.get(rank)
+        host = getattr(r, "host", "")
+        self.closed.append(
+            f"rank {rank}'s connection was closed{f' (host {host})' if host else ''}: {why}"
+        )
         return Gone(rank, why)
 
     def live(self, rank: int) -> bool:
@@ -306,6 +311,7 @@ class Hub:
                 why = f"what it sent failed a check: {exc}"
         self.unwatch_conn(relay.conn)  # its ranks' connections ended with it
         relay.conn.close()
+        relay.ended = True
         if relay in self.relays:
             self.relays.remove(relay)
         ranks = [rank for rank in sorted(relay.ranks) if self.live(rank)]

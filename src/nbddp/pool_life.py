@@ -107,7 +107,7 @@ class PoolLife:
             self.address = os.path.join(self.procs.dir, "pool.sock")
             self.token = secrets.token_hex(32).encode()
             sock = bind_unix(self.address)
-        self.listener = Listener(sock, self.token, self.hub.arrive, tls=self.tls)
+        self.listener = Listener(sock, self.token, self.roster.arrive, tls=self.tls)
         self.roster.refuse = self.listener.refuse_line
         self.listener.start()
         return self.address

@@ -141,6 +141,7 @@ class Hello:
     host: str
     needs_port: bool  # True: rank 0 opens the store on a free port and reports it
     version: int = PROTOCOL_VERSION
+    held: bool = False  # its holder forks a new process when it dies (nbddp.worker_holder)
 
 
 @dataclass(frozen=True)
@@ -336,6 +337,15 @@ class Reform:
     generation: int = 0
     world_size: int = 0
     backend: str = ""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """notebook -> a rank that connected (or its host's relay, for each of its ranks): this
+    pool takes no such rank, and why in one line; the rank says it and exits (a worker
+    torchrun restarted after the attached pool lost a rank)."""
+
+    reason: str
 
 
 @dataclass(frozen=True)

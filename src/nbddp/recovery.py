@@ -9,8 +9,10 @@
   on a local pool :func:`replace` has a new process take its place while every
   other rank keeps its namespace (the group's store is a process of its own, so
   even rank 0 can die). A rank that dies again and again stops the pool
-  (``CRASH_LOOP`` deaths within ``CRASH_WINDOW`` s); ``on_death="restart"``, and
-  attached pools (torchrun started those ranks, not us), stop it at once.
+  (``CRASH_LOOP`` deaths within ``CRASH_WINDOW`` s); ``on_death="restart"`` stops
+  it at once. An attached pool's rank is replaced by the process its holder on its
+  host forks (nbddp.worker_holder); ranks without a holder, or behind a relay that
+  ended, cannot come back: the pool is stopped.
 - Ranks that do not come back (a death broke the group for good, a rank stuck
   in C past the grace period): :func:`stop_pool` stops them all, and the next
   cell starts a new pool. Every note that says state was lost is made by
@@ -31,7 +33,7 @@ from .errors import PoolClosedError, PoolStartError, RankDied
 from .gpus import pool_plan
 from .hub import Gone
 from .processes import rank_env
-from .roster import RankGone
+from .roster import TAKES_NONE, RankGone
 
 __all__ = [
     "can_replace",
@@ -71,8 +73,19 @@ def _were(ranks) -> str:
 
 
 def can_replace(pool) -> bool:
-    """A dead rank of this pool gets a new process (else the pool is stopped)."""
-    return pool.on_death == "replace" and not pool.attached
+    """A dead rank of this pool gets a new process (else the pool is stopped): a local
+    pool's from its fork server, an attached one's from its holder on its host (every
+    rank torchrun started is held: nbddp.worker_holder)."""
+    if pool.on_death != "replace":
+        return False
+    return not pool.attached or all(_renewable(r) for r in pool.roster.ranks.values())
+
+
+def _renewable(r) -> bool:
+    """An attached rank whose holder forks a new process, which can reach the notebook (a
+    host whose relay ended has lost its way there: the pool is stopped at once)."""
+    relay = r.link.relay
+    return r.renewable and (relay is None or not relay.ended)
 
 
 def reform(pool, sup, out, quiet: bool = False):
@@ -166,10 +179,12 @@ def _formed_again(pool, dead: list[int]):
         had = _form_again(pool, dead, REFORM_TIMEOUT)
     except CrashLoop as exc:
         pool.lose()
+        _take_no_rank(pool)
         pool.notes.append(state_lost(f"{exc}: the pool was stopped"))
         return None
     except PoolStartError as exc:
         pool.lose()
+        _take_no_rank(pool)
         pool.notes.append(
             state_lost(f"re-forming the process group failed ({exc}): the pool was stopped")
         )
@@ -208,16 +223,17 @@ def _form_again(pool, dead: list[int], timeout: float, new: tuple[int, ...] = ()
                 _end_processes(pool, [roster[rank] for rank in restart])
             roster.reforms += 1
             survivors = [r for r in roster.ranks.values() if r.rank not in restart]
+            reform = P.Reform(roster.reforms, pool.world_size, backend)
+            roster.renewing = reform if pool.attached else None
             for rank in restart:
-                pid = pool.procs.start(rank, pool.address, rank_env(pool, rank, roster.reforms))
-                roster.add(rank, pid)
+                _start_again(pool, rank)
             if restart:
                 pool.hub.forget_sentinels()  # the dead ones' fd numbers may come back
             for r in survivors:
                 r.state = "starting"
                 if again:  # free those waiting in the re-form a death broke
                     r.send(P.AbortGroup())
-                r.send(P.Reform(roster.reforms, pool.world_size, backend))
+                r.send(reform)
             fresh, again = set(restart), True
             try:
                 pool.handshake(timeout, lambda: requests.cancel_wait)
@@ -228,6 +244,17 @@ def _form_again(pool, dead: list[int], timeout: float, new: tuple[int, ...] = ()
                 pending = [gone.rank]
     finally:
         requests.reforming = False
+        roster.renewing = None
+
+
+def _start_again(pool, rank: int) -> None:
+    """A new process for ``rank``: from the fork server (local), or the one its holder
+    forked on its host (attached: it joins the re-form as it connects)."""
+    roster = pool.roster
+    if pool.attached:
+        roster.renew(rank)
+    else:
+        roster.add(rank, pool.procs.start(rank, pool.address, rank_env(pool, rank, roster.reforms)))
 
 
 def _count_death(roster, rank: int) -> None:
@@ -260,6 +287,7 @@ def rank_died(pool, sup, out, r):
     out.exits[r.rank] = exit_event = P.RankExit(r.rank, r.returncode, when=time.time())
     yield exit_event
     yield P.RankState(r.rank, "dead")
+    sup.replace_dead = sup.replace_dead and can_replace(pool)  # (a host's relay ended?)
     sup.died(r.rank, time.monotonic())
     if r.returncode == -signal.SIGKILL and not can_replace(pool):
         pool.notes += killer_hint(r.rank, out.code)  # (else said after the replacement's)
@@ -269,9 +297,9 @@ def _stop_note(pool, action) -> str:
     stuck = list(action.ranks)
     if action.reason == "death" and pool.attached:
         return (
-            "the process group lost a member (a rank torchrun started cannot be replaced "
-            "from the notebook), so the pool was stopped: start torchrun again and attach "
-            "again (the ranks' state is lost)"
+            "the process group lost a member that cannot come back (a rank without a "
+            "holder, NBDDP_HOLD=0, or its host's relay ended), so the pool was stopped: "
+            "start torchrun again and attach again (the ranks' state is lost)"
         )
     if action.reason == "death":
         return state_lost(
@@ -297,6 +325,7 @@ def stop_pool(pool, sup, out, action):
         if not pool.procs.kill(o.pid):
             o.send(P.Shutdown())
     pool.reap(others, time.monotonic() + 2.0)
+    _take_no_rank(pool)
     for o in others:
         yield from pool.drain(o.rank)
         if o.rank in action.ranks:
@@ -317,6 +346,37 @@ def _between_cells(pool, rounds: int = 64) -> list:
     return items
 
 
+def _attached_lost(pool, gone: list[int]) -> None:
+    """Ranks torchrun started went between cells (died, or their connection was closed for
+    a bad frame): said at once, in one line (which rank, which host, why), and the pool is
+    stopped; never a wait for ranks that cannot come."""
+    table = pool.roster.ranks
+    died = ", ".join(
+        RankDied(rank, pool.exit_code(table[rank]), table[rank].host).summary for rank in gone
+    )
+    closed, pool.hub.closed = pool.hub.closed, []
+    why = f" ({'; '.join(closed)})" if closed else ""
+    pool.lose()
+    _take_no_rank(pool)
+    raise PoolClosedError(
+        f"{died} since the last cell{why}: the attached pool was stopped (the ranks' state is "
+        "lost); start torchrun again and attach again"
+    )
+
+
+def _take_no_rank(pool) -> None:
+    """An attached pool that lost a rank turns every worker that comes away at once, with
+    the reason (torchrun's restarted workers waited for it forever)."""
+    if pool.attached:
+        pool.roster.closed_to = f"the pool lost a rank and was stopped, and {TAKES_NONE}"
+
+
+def _turned_away(pool) -> str:
+    """The workers turned away since the pool was stopped, in a few words (or nothing)."""
+    lines = pool.listener.refusals(take=True) if pool.listener is not None else []
+    return f" ({'; '.join(lines)})" if lines else ""
+
+
 def ready_for_a_cell(pool) -> None:
     """Start the pool anew if it lost its state (said in a note); refuse a stopped pool,
     or an attached one that lost a rank (torchrun started those ranks, not us)."""
@@ -325,6 +385,7 @@ def ready_for_a_cell(pool) -> None:
     if pool.attached and (pool.needs_restart or not pool.started):
         raise PoolClosedError(
             "the attached pool lost a rank: start torchrun again and attach again"
+            + _turned_away(pool)
         )
     items = _between_cells(pool)
     pool.roster.keep_output(items)
@@ -339,6 +400,8 @@ def ready_for_a_cell(pool) -> None:
             pool.notes.append(f"{RankDied(rank, r.returncode).summary} since the last cell")
         events = list(replace(pool, gone))
         pool.roster.backlog += [e for e in events if type(e) is P.Output]
+    elif gone and pool.attached:
+        _attached_lost(pool, gone)
     elif gone or pool.needs_restart:
         why = ", ".join(RankDied(rank, pool.exit_code(pool.roster[rank])).summary for rank in gone)
         pool.lose()

@@ -36,7 +36,8 @@ runs nothing), in authenticated frames (:mod:`nbddp.wire`) both ways::
           ("gone", rank)                  the rank's control connection closed
     down  (ranks, cell, bytes)            one control message for each of ``ranks``; ``cell``
                                           when it is that cell's Run (else 0); bytes None:
-                                          a big message follows, as it is
+                                          a big message follows, as it is; ranks ():
+                                          a Refused for each rank, now and later
 """
 
 from __future__ import annotations
@@ -208,6 +209,8 @@ class Relay:
         self.dones: dict[bytes, list[int]] = {}  # equal Done messages, the ranks that sent them
         self.seen = 0  # ranks that connected
         self.closing = False
+        self.refusal: bytes | None = None  # the notebook turned this host's ranks away
+        self.told: set[int] = set()  # ranks told so
         self.waiting: set[int] = set()  # ranks running a cell whose Done has not come
         self.dones_since: float | None = None  # when the oldest Done in ``dones`` came
         self._started: queue.SimpleQueue = queue.SimpleQueue()  # ranks sent a Run (down)
@@ -230,6 +233,9 @@ class Relay:
                     data = self.up.recv_bytes()
             except (EOFError, OSError):
                 break  # the notebook went away: so do the relay and, then, its ranks
+            if not ranks:  # for each of its ranks, now and later: the host is turned away
+                self._refuse(data)
+                continue
             if cell:
                 self._started.put(ranks)  # before the Run: its Done cannot come first
             for rank in ranks:
@@ -239,6 +245,22 @@ class Relay:
                         conn.send_bytes(data)
         self.closing = True
         self._wake()
+
+    def _refuse(self, data: bytes) -> None:
+        """The notebook takes none of this host's ranks: each is told why (by the loop, as
+        it comes), and so is the host's log."""
+        with contextlib.suppress(Exception):
+            print(f"nbddp relay: {P.loads(data).reason}", file=sys.stderr, flush=True)
+        self.refusal = bytes(data)
+        self._wake()
+
+    def _tell_refused(self) -> None:
+        """Every rank connected and not yet told: the refusal (then each ends)."""
+        for rank, conn in self.controls.items():
+            if rank not in self.told:
+                self.told.add(rank)
+                with contextlib.suppress(OSError):
+                    conn.send_bytes(self.refusal)
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -271,6 +293,8 @@ class Relay:
                         self._read(what[1], what[2])
                 self._after_output()
                 self._flush()
+                if self.refusal is not None:
+                    self._tell_refused()
                 if self.seen and not self.controls:
                     break  # every rank has gone
                 if not self.seen and time.monotonic() > deadline:

@@ -10,6 +10,7 @@ until every rank has joined the group and said Ready.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from .hub import Gone, Hub, Link, Msg, RelayLink, Stream, Text
 __all__ = ["Rank", "RankGone", "Roster"]
 
 EXPLAINED_WITHIN = 1.0  # s a failed re-form waits for the death that explains it
+MAX_TURNED = 256  # connections turned away kept open at most (the oldest is closed)
 
 
 class RankGone(PoolStartError):
@@ -45,6 +47,7 @@ class Rank:
     names: frozenset[str] = frozenset()  # the rank's global names, as last reported
     modules: frozenset[str] = frozenset()  # which of them are modules
     held: tuple[P.Held, ...] = ()  # every global name with its kind and size (P.Held)
+    renewable: bool = False  # attached: a holder on its host forks a new process if it dies
 
     def send(self, msg: object) -> bool:
         return self.send_bytes(P.dumps(msg))
@@ -60,6 +63,12 @@ class Rank:
             return True
         except OSError:
             return False
+
+
+TAKES_NONE = (  # why an attached pool that lost a rank turns a worker away
+    "an attached pool takes no new worker (torchrun --max-restarts restarted it?): end "
+    "torchrun, start it again and attach again"
+)
 
 
 def _version_error(who: str, version: int) -> PoolStartError:
@@ -85,6 +94,11 @@ class Roster:
         self.on_join: Callable[[int, int], None] | None = None
         self.refuse: Callable[[str], None] = lambda _line: None
         self._early: dict[int, list] = {}  # attached: streams that came before their rank
+        # attached, stopped: why it takes no rank now (each one that comes is turned away)
+        self.closed_to: str | None = None
+        self.renewing: P.Reform | None = None  # attached: the re-form new processes join
+        self._turned: list = []  # connections turned away, closed with the pool (not at
+        # once: a close with the peer's bytes unread resets it before it reads why)
 
     # ------------------------------------------------------------ the table
 
@@ -118,6 +132,9 @@ class Roster:
     def clear(self) -> list[Rank]:
         """Forget every rank and early stream; the connections to close."""
         ranks = list(self.ranks.values())
+        for conn in self._turned:
+            conn.close()
+        self._turned.clear()
         for early in self._early.values():
             for conn, _, relay in early:
                 if relay is None:
@@ -130,12 +147,49 @@ class Roster:
         return ranks
 
     def forget(self, rank: int) -> None:
-        """Close a dead rank's connections: a new process is about to take its place."""
-        for conn in self.ranks[rank].link.connections():
+        """Close a dead rank's connections: a new process is about to take its place (behind
+        a relay, the connection is the relay's: its other ranks keep it)."""
+        link = self.ranks[rank].link
+        if link.relay is not None:
+            link.relay.ranks.discard(rank)
+            return
+        for conn in link.connections():
             self.hub.unwatch_conn(conn)
             conn.close()
 
     # ------------------------------------------------------------ joining
+
+    def arrive(self, conn, hello: object, raw: bytes = b"") -> None:
+        """A connection the listener authenticated (from its thread): to the hub; or, when
+        this pool takes no rank now, turned away at once with the reason (no one may read
+        the hub before the next cell, and the worker would wait for it)."""
+        why = self.closed_to
+        if why is None or not isinstance(hello, (P.Hello, P.RelayHello, P.StreamHello)):
+            self.hub.arrive(conn, hello, raw)
+        else:
+            self.turn_away(conn, hello, None, why)
+
+    def turn_away(self, conn, hello, relay: RelayLink | None, why: str) -> None:
+        """Tell a rank (a relay: each of its ranks) that connected why this pool does not
+        take it, and count the refusal (said in the notebook). Its streams just close."""
+        if isinstance(hello, P.StreamHello):
+            if relay is None:
+                conn.close()
+            return
+        data = P.dumps(P.Refused(why))
+        if relay is not None:
+            relay.send((hello.rank,), data)
+        else:
+            if isinstance(hello, P.RelayHello):
+                RelayLink(conn, hello).send((), data)  # (): each of its ranks, now and later
+            else:
+                with contextlib.suppress(OSError):
+                    conn.send_bytes(data)
+            self._turned.append(conn)
+            while len(self._turned) > MAX_TURNED:
+                self._turned.pop(0).close()
+        who = "the relay" if isinstance(hello, P.RelayHello) else f"rank {hello.rank}"
+        self.refuse(f"turned away {who} of {hello.host}: {why}")
 
     def attach(self, conn, hello: object, relay: RelayLink | None = None) -> None:
         """A connection that proved it holds the token, and its first message."""
@@ -154,6 +208,12 @@ class Roster:
             # its stream finished the handshake before its control connection did
             self._early.setdefault(rank, []).append((conn, hello, relay))
             return
+        if self.attached and r is not None and r.state == "dead" and self._renews(r, hello):
+            self._early.setdefault(rank, []).append((conn, hello, relay))  # (see renew)
+            return
+        if self.attached and r is not None and r.state == "dead" and isinstance(hello, P.Hello):
+            self.turn_away(conn, hello, relay, f"rank {rank} died and {TAKES_NONE}")
+            return
         if r is None or r.state == "dead" or not isinstance(hello, (P.Hello, P.StreamHello)):
             if relay is None:
                 conn.close()
@@ -162,6 +222,25 @@ class Roster:
             self._hello(r, conn, hello, relay)
         else:
             self._stream(r, conn, hello, relay)
+
+    def _renews(self, r: Rank, hello) -> bool:
+        """A new process of a dead rank its host's holder forked: kept until the re-form
+        that takes it in (:meth:`renew`)."""
+        return (
+            r.renewable
+            and self.closed_to is None
+            and isinstance(hello, (P.Hello, P.StreamHello))
+            and (not isinstance(hello, P.Hello) or hello.held)
+        )
+
+    def renew(self, rank: int) -> None:
+        """Attached: a new record for ``rank``, which died; its holder's new process joins
+        it (its connections, if they came already, are taken now; else as they come)."""
+        self.ranks[rank] = Rank(rank, 0)
+        early = self._early.pop(rank, [])
+        early.sort(key=lambda item: not isinstance(item[1], P.Hello))  # its Hello first
+        for item in early:
+            self.attach(*item)
 
     def _admit(self, conn, hello: P.Hello) -> bool:
         if hello.world_size != self.world_size or not 0 <= hello.rank < self.world_size:
@@ -185,6 +264,7 @@ class Roster:
             self.refuse(f"refused a second connection for rank {r.rank}: it is connected")
             return
         r.link.conn, r.link.relay, r.pid, r.host = conn, relay, hello.pid, hello.host
+        r.renewable = hello.held
         if relay is None:
             self.hub.watch(conn.fileno(), (r.rank, None))
         else:
@@ -193,6 +273,8 @@ class Roster:
             self.attach(*early)
         if self.store_port is not None and r.rank != 0:
             r.send(P.JoinGroup(self.store_port))
+        if self.renewing is not None:  # a new process of a dead rank: the re-form it joins
+            r.send(self.renewing)
         if self.on_join is not None:
             self.on_join(len(self.ranks), self.world_size)
 

@@ -35,7 +35,7 @@ import traceback
 import psutil
 import torch
 
-from . import debugger, handshake, metrics, relay, rich, wire, worker_shims
+from . import debugger, handshake, metrics, relay, rich, wire, worker_holder, worker_shims
 from . import protocol as P
 from .ddp import threads_for
 from .private import UnsafeFile, read_token_file
@@ -44,6 +44,8 @@ from .worker_cell import CellInterrupts, CellRunner
 from .worker_code import adopt, error_info, run_code
 from .worker_control import Control, connect, connect_streams, flush_streams, parse_address
 from .worker_group import GroupKeeper
+
+RENEWED_CONNECT = 10.0  # s a rank taking a dead one's place tries to connect
 
 # Worker and main, and (from the parts) what tests and older callers import from here
 __all__ = ["CellInterrupts", "Worker", "adopt", "error_info", "main", "parse_address", "run_code"]
@@ -72,15 +74,21 @@ class Worker:
         self.cells = CellRunner(self.rank, self.send, self.group, relayed)
         self.debug: debugger.Remote | None = None
         self.user_omp = env.get("OMP_NUM_THREADS")  # the user's own, kept for a resize
+        self.launcher_stderr = os.dup(2)  # (torchrun's log: fd 2 goes to the notebook)
 
-    def serve(self) -> int:
+    def serve(self, renewed: bool = False) -> int:
+        """``renewed``: this process takes a dead rank's place (its holder forked it: see
+        nbddp.worker_holder); it joins the group the notebook re-forms with it."""
         self._start()
+        generation = int(os.environ.get("NBDDP_GENERATION") or 0)
         try:
-            self.cells.make_namespace(self.group.join())
+            if renewed:
+                generation = self._await_reform()
+            self.cells.make_namespace(self.group.join(generation=generation or None))
         except BaseException as exc:
             self.send(P.Fatal(error_info(exc)))
             self._exit(1)
-        self._ready(int(os.environ.get("NBDDP_GENERATION") or 0))
+        self._ready(generation)
         work = {
             P.Run: self.cells.run,
             P.AbortGroup: self.cells.abort_between_cells,
@@ -90,6 +98,15 @@ class Worker:
             msg = self.control.inbox.get()
             if type(msg) in work:
                 self._survive_interrupts(work[type(msg)], msg)
+
+    def _await_reform(self) -> int:
+        """The re-form the notebook takes this new rank into: its generation."""
+        while True:
+            msg = self.control.inbox.get()
+            if isinstance(msg, P.Reform):
+                if msg.backend:
+                    os.environ["NBDDP_BACKEND"] = msg.backend
+                return msg.generation
 
     @staticmethod
     def _survive_interrupts(handle, msg: object) -> None:
@@ -124,8 +141,17 @@ class Worker:
             P.Query: self._status,
             P.StackQuery: cells.on_stack_query,
             P.Shutdown: lambda _msg: self._exit(0),
+            P.Refused: self._refused,
             P.AbortGroup: lambda msg: cells.on_abort_group(msg, self.control.inbox.put),
         }
+
+    def _refused(self, msg: P.Refused) -> None:
+        """The notebook does not take this rank (a worker torchrun restarted): said in one
+        line where its launcher logs, and the rank ends (4)."""
+        line = f"nbddp.worker: rank {self.rank}: the notebook refused this worker: {msg.reason}\n"
+        with contextlib.suppress(OSError):
+            os.write(self.launcher_stderr, line.encode())
+        self._exit(4)
 
     def _status(self, _msg: P.Query) -> None:
         self.send(P.StatusReply(psutil.Process().memory_info().rss, self.group.device))
@@ -169,6 +195,7 @@ class Worker:
                 pid=os.getpid(),
                 host=socket.gethostname(),
                 needs_port=self.group.needs_port,
+                held=os.environ.get("NBDDP_HELD") == "1",
             )
         )
 
@@ -243,18 +270,29 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     sys.argv = [sys.argv[0]]  # a cell calling a script's main() parses no worker options
     _extend_sys_path()
-    token, tls = _read_token(args.token_file)
+    token, tls = args.token, args.tls = _read_token(args.token_file)
     address = args.connect
     where = f"the notebook at {args.connect}"
-    if relay.wanted(parse_address(address)[1] == "AF_INET", os.environ):
+    tcp = parse_address(address)[1] == "AF_INET"
+    if relay.wanted(tcp, os.environ):
         where = f"this host's relay to {args.connect}"
         try:
             address = _through_relay(address, token, tls)
         except OSError as exc:
             print(f"nbddp.worker: cannot start {where}: {exc}", file=sys.stderr)
             return 2
+    if worker_holder.wanted(tcp, os.environ):  # under torchrun: a dead rank is replaced
+        os.environ["NBDDP_HELD"] = "1"
+        return worker_holder.hold(lambda renewed: _rank(args, address, where, renewed))
+    return _rank(args, address, where, False)
+
+
+def _rank(args: argparse.Namespace, address: str, where: str, renewed: bool) -> int:
+    """Connect (a renewed rank: briefly, its notebook may be gone) and serve."""
+    token, tls = args.token, args.tls
+    timeout = min(args.connect_timeout, RENEWED_CONNECT) if renewed else args.connect_timeout
     try:
-        control = connect(address, token, args.connect_timeout, tls)
+        control = connect(address, token, timeout, tls)
     except handshake.Refused:
         print(
             f"nbddp.worker: {where} refused this worker's token (is --token-file the notebook's?)",
@@ -265,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nbddp.worker: cannot reach {where}: {exc}", file=sys.stderr)
         return 2
     relayed = address != args.connect
-    return Worker(control, address, token, relayed, None if relayed else tls).serve()
+    return Worker(control, address, token, relayed, None if relayed else tls).serve(renewed)
 
 
 if __name__ == "__main__":

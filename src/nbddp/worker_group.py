@@ -101,6 +101,15 @@ def _store_port() -> int | None:
     return int(port) if port.isdigit() else None
 
 
+def _agent_store() -> bool:
+    """torchrun's agent holds the group's store (no rank does), at MASTER_PORT."""
+    return (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and _store_port() is not None
+        and not os.environ.get("NBDDP_STORE_PORT")
+    )
+
+
 JOIN_TIMEOUT = 300.0  # seconds a rank waits for the store's address (the pool's own is 120)
 
 
@@ -116,6 +125,7 @@ class GroupKeeper:
         self.sockets: dict[int, int] = {}  # the default group's sockets: fd -> inode
         self.joining = False  # nbddp itself is forming the group (the shims step aside)
         self.base_store: dist.Store | None = None  # the first group's store, kept for re-forms
+        self.agent_store: dist.Store | None = None  # torchrun's agent's, once a re-form needs it
         self.ctx: DDPContext | None = None
         self.backend = ""
         self.device = "cpu"
@@ -154,7 +164,7 @@ class GroupKeeper:
             self.join(fresh=True, generation=generation)
         except BaseException:
             self.abort()
-            self.base_store = None  # its connection may be the one shut down
+            self.base_store = self.agent_store = None  # (its connection may be shut down)
             raise
 
     def abort(self) -> None:
@@ -221,6 +231,13 @@ class GroupKeeper:
                 generation = int(os.environ.get("NBDDP_GENERATION") or 0) or None
             if generation is None:
                 return self.base_store
+        if generation is not None and _agent_store():
+            # torchrun's agent holds the store (MASTER_PORT): it outlives any rank, so each
+            # re-form, and a rank taking a dead one's place, meets there under its prefix
+            if self.agent_store is None:
+                port = _store_port()
+                self.agent_store = dist.TCPStore(addr, port, self.world_size, False)
+            return dist.PrefixStore(f"nbddp-reform-{generation}", self.agent_store)
         if generation is not None and self.base_store is not None:
             return dist.PrefixStore(f"nbddp-reform-{generation}", self.base_store)
         if not (self.needs_port or fresh):
