@@ -19,7 +19,7 @@ CORE = {
     "copying", "detached", "detached_client", "detached_wire", "pool_calls", "wire",
     "handshake", "private", "tls", "markers", "resizing", "healing", "deathnote",
     "carriers", "detached_folder", "detached_kernels", "detached_outbox", "detached_pool",
-    "gpus",
+    "gpus", "deadlock", "restricted",
 }  # fmt: skip
 FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",
@@ -30,13 +30,14 @@ WORKER = {
     "worker", "worker_control", "worker_group", "worker_shims", "worker_cell",
     "worker_code", "ddp", "debugger", "profiling", "collectives", "rich", "mpl_backend",
     "worker_copy", "metrics", "loggers", "workspace", "worker_held", "worker_wrap",
+    "worker_seq",
 }  # fmt: skip
 # shared by the notebook, the worker and the relay: the wire, errors as data, stacks, the
 # listener (the relay's is the notebook's), streams, shipped data, the launcher, the
 # authenticated connections and private files
 SHARED = {
     "protocol", "events", "errors", "stacks", "payload", "launch", "listener", "streams", "store",
-    "wire", "handshake", "private", "tls", "markers", "carriers", "gpus",
+    "wire", "handshake", "private", "tls", "markers", "carriers", "gpus", "restricted",
 }  # fmt: skip
 NOTEBOOK_SIDE = CORE - SHARED
 FRONT_END_LIBRARIES = ("IPython", "ipykernel", "ipywidgets", "anywidget")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import os
 import time
 from dataclasses import dataclass
 
@@ -150,6 +151,9 @@ class Cell:
             grace=pool.grace,
             timeout=self.timeout,
             replace_dead=recovery.can_replace(pool),
+            others=tuple(r.rank for r in pool.roster.live() if r.rank not in self.runs),
+            world=pool.world_size,
+            detect=os.environ.get("NBDDP_DEADLOCKS", "1") != "0",
         )
         table = pool.roster.ranks
         # a relay forwards a rank's Done after all it printed: no end markers to wait for
@@ -293,8 +297,9 @@ class Cell:
         yield from self._dones((rank,), msg)
 
     def _stacks(self, rank: int, msg: P.Stacks):
-        sup = self.sup
-        place = sup.stacks(rank, msg.frames, time.monotonic())
+        sup, now = self.sup, time.monotonic()
+        sup.positions(rank, msg.frames, msg.groups, now)
+        place = sup.stacks(rank, msg.frames, now)
         if place is not None:
             yield P.RankWhere(rank, S.summary(place.frames), sup.waiting_in(rank), place.since)
 

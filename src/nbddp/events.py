@@ -135,3 +135,4 @@ class CellEnd:
     freed: tuple[int, ...] = ()  # ranks whose group was aborted under them (consequences)
     profiles: dict[int, Profile] = field(default_factory=dict)  # with Run.profile
     kept: bool = True  # the ranks that lived kept their namespaces (the pool was not stopped)
+    deadlock: str = ""  # a certain deadlock ended the cell: what it was (nbddp.deadlock)

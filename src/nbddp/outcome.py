@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from . import payload
 from . import protocol as P
 from .carriers import twin
-from .errors import CellFailed, CellInterrupted, RankDied, RankFailed
+from .errors import CellDeadlocked, CellFailed, CellInterrupted, RankDied, RankFailed
 from .supervisor import CellSupervisor
 
 __all__ = ["Outcome", "RawValue", "failures_of", "load_value", "owned_files", "raise_for_end"]
@@ -120,6 +120,7 @@ class Outcome:
             tuple(sorted(r for r, d in self.done.items() if d.freed)),
             {r: d.profile for r, d in self.done.items() if d.profile is not None},
             kept,
+            sup.deadlock.message if sup.deadlock else "",
         )
 
 
@@ -143,5 +144,7 @@ def raise_for_end(end: P.CellEnd, hosts: dict[int, str] | None = None) -> None:
     failures = failures_of(end, hosts)
     if end.interrupted:
         raise CellInterrupted(end.interrupted, failures, list(end.notes), end.stacks)
+    if end.deadlock:
+        raise CellDeadlocked(end.deadlock, failures, list(end.notes), end.freed, end.kept)
     if failures:
         raise CellFailed(failures, list(end.notes), freed=end.freed, kept=end.kept)

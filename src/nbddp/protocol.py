@@ -45,9 +45,7 @@ Timeline of a pool::
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
-import io
 import pickle
 import sys
 from dataclasses import dataclass, field
@@ -55,6 +53,7 @@ from dataclasses import dataclass, field
 from . import events
 from .events import *  # noqa: F403 (the events a pool yields, as P.Output, ...)
 from .markers import end_marker, split_markers  # (the streams' end markers, as P.end_marker)
+from .restricted import Restricted, allowed
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -254,6 +253,7 @@ class Stacks:
 
     frames: tuple[tuple[str, int, str, str], ...]
     cell: int | None  # the cell it is running, None when idle
+    groups: tuple = ()  # its place in each group's collectives (nbddp.worker_seq.Position)
 
 
 # ---------------------------------------------------------------- notebook -> worker
@@ -369,36 +369,9 @@ def dumps(msg: object) -> bytes:
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-_PLAIN = frozenset({"set", "frozenset", "complex", "bytearray", "range", "slice"})
-
-
-class _Restricted(pickle.Unpickler):
-    """Plain data and the classes of this module and of nbddp.events, nothing else."""
-
-    def find_class(self, module: str, name: str):
-        found = _ALLOWED.get((module, name))
-        if found is not None:
-            return found
-        if module in (__name__, events.__name__) and not hasattr(sys.modules[module], name):
-            # a message this version lacks: another nbddp version
-            raise AttributeError(f"module {module!r} has no attribute {name!r}")
-        raise pickle.UnpicklingError(f"a control message may not name {module}.{name}")
-
-
-def _allowed() -> dict:
-    """What a control message may name, by (module, name): looked up once each."""
-    out = {("builtins", n): getattr(builtins, n) for n in _PLAIN}
-    for module in (sys.modules[__name__], events):
-        for name, obj in vars(module).items():
-            ours = isinstance(obj, type) and obj.__module__ == module.__name__
-            if ours and dataclasses.is_dataclass(obj):
-                out[(module.__name__, name)] = obj
-    return out
-
-
 def loads_plain(data) -> object:
     """Decode nbddp's own data (a message, a relay's frame) without running anything."""
-    return _Restricted(io.BytesIO(data)).load()
+    return Restricted(data, _ALLOWED, _OURS).load()
 
 
 def loads(data) -> object:
@@ -408,4 +381,5 @@ def loads(data) -> object:
     return msg
 
 
-_ALLOWED = _allowed()
+_ALLOWED = allowed((sys.modules[__name__], events))  # what a message may name
+_OURS = frozenset({__name__, events.__name__})
