@@ -230,3 +230,20 @@ def test_through_a_kernel_the_deadlock_is_the_first_thing_the_cell_shows(kernel,
     assert all(f"[rank {i}] kept {i + 10}" in r.stdout for i in range(n))
     assert pool_pids(kc) == pids
     execute(kc, "%ddp stop")
+
+
+def test_the_dashboard_row_shows_each_ranks_count_and_names_the_one_behind():
+    from nbddp import protocol as P
+    from nbddp.dashboard import Dashboard
+
+    now = [100.0]
+    board = Dashboard([0, 1, 2], world_size=3, clock=lambda: now[0], interval=0)
+    board.handle(P.RankStates((0, 1, 2), "running"))
+    board.handle(P.RankWhere(0, "all_reduce, cell line 3", "all_reduce", 98.0, 1208))
+    board.handle(P.RankWhere(1, "all_reduce, cell line 3", "all_reduce", 98.0, 1208))
+    board.handle(P.RankWhere(2, "cell line 2: loss.backward()", None, 99.0, 1190))
+    rows = board.widget.rows
+    assert rows.count("waiting in all_reduce #1208 (2 s)") == 2
+    assert "running, collective #1190, behind: #1190 of #1208" in rows
+    board.close(None)
+    assert "behind: #1190 of #1208" in board.widget.rows  # the frozen cell keeps it

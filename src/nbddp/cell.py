@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from . import protocol as P
 from . import recovery
 from . import stacks as S
+from .deadlock import world_count
 from .errors import root_causes
 from .hub import Closed, Dones, Gone, Mark, Msg, Text
 from .outcome import Outcome, failures_of
@@ -91,6 +92,7 @@ class Cell:
         self.generation = getattr(pool, "generation", 0)  # (a restart since: ranks gone)
         self.dropped = False  # finish() let it go: a close is no consumer giving up
         self.outer: Cell | None = None  # the cell this one runs inside (a heal's copy)
+        self._counts: dict[int, int] = {}  # each rank's last collective count shown
         self._events = self._run()
 
     @property
@@ -299,9 +301,14 @@ class Cell:
     def _stacks(self, rank: int, msg: P.Stacks):
         sup, now = self.sup, time.monotonic()
         sup.positions(rank, msg.frames, msg.groups, now)
-        place = sup.stacks(rank, msg.frames, now)
-        if place is not None:
-            yield P.RankWhere(rank, S.summary(place.frames), sup.waiting_in(rank), place.since)
+        place, count = sup.stacks(rank, msg.frames, now), world_count(msg.groups)
+        if place is None and count == self._counts.get(rank, count):
+            return  # (neither moved: nothing new to show)
+        self._counts[rank] = count
+        place = place or sup.where.get(rank)
+        if place is not None and sup.phase.get(rank) == "running":
+            summary = S.summary(place.frames)
+            yield P.RankWhere(rank, summary, sup.waiting_in(rank), place.since, count)
 
     def _store_port(self, _rank: int, msg: P.StorePort):
         self.pool.roster.set_store_port(msg.port)  # a script formed the group again

@@ -44,21 +44,35 @@ class RankView:
         self.last = ""
         self.progress: P.RankProgress | None = None
         self.waiting: tuple[str, float] | None = None  # (collective, since) while blocked in it
+        self.ops = -1  # collectives it issued on the default group (-1: not known)
+        self.ahead = -1  # the others' count, when this rank is behind them
 
     def state_text(self, now: float) -> str:
-        """``running``, or ``waiting in all_reduce (12 s)`` for a rank blocked in a collective."""
+        """``running``, ``waiting in all_reduce #12 (12 s)`` for a rank blocked in a
+        collective, and ``behind: #10 of #12`` for a rank behind the others."""
+        n = f" #{self.ops}" if self.ops >= 0 else ""
+        behind = f", behind: #{self.ops} of #{self.ahead}" if self.ahead > self.ops >= 0 else ""
         if self.state == "running" and self.waiting is not None:
             op, since = self.waiting
-            return f"waiting in {op} ({now - since:.0f} s)"
+            return f"waiting in {op}{n} ({now - since:.0f} s){behind}"
         if self.state == "replaced":
             return "dead: new process"
-        return self.state
+        return f"{self.state}{n and ', collective' + n}{behind}"
 
     def elapsed(self, now: float) -> float | None:
         return None if self.started is None else (self.ended or now) - self.started
 
 
 Views = dict[int, RankView]
+
+
+def mark_behind(views: Views) -> None:
+    """The running ranks whose collective count is below the others' are behind (the
+    highest count is theirs to reach); the rest are not."""
+    counts = [v.ops for v in views.values() if v.state == "running" and v.ops >= 0]
+    top = max(counts, default=-1)
+    for v in views.values():
+        v.ahead = top if v.state == "running" and 0 <= v.ops < top else -1
 
 
 def _lines(n: int) -> str:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .stacks import Frame, rank_set
 
-__all__ = ["Deadlock", "Seen", "calls", "disagreeing", "judge"]
+__all__ = ["Deadlock", "Seen", "calls", "disagreeing", "judge", "world_count"]
 
 _C10D = ("distributed_c10d.py",)
 
@@ -61,6 +61,13 @@ def disagreeing(seen: dict[int, Seen], running: list[int]) -> bool:
         return False
     ops = {calls(seen[r].frames)[0] if r in seen else None for r in running}
     return None not in ops and len(ops) > 1
+
+
+def world_count(groups: tuple) -> int:
+    """Operations issued on the default group, from a sample's ``(after, positions)``;
+    -1 when it did not say."""
+    places = groups[1] if len(groups) == 2 else ()
+    return next((seq for _, ranks, seq, _ in places if not ranks), -1)
 
 
 def _counts(groups: tuple) -> dict[tuple[str, tuple[int, ...]], int]:

@@ -62,6 +62,7 @@ class RankWhere:
     where: str  # nbddp.stacks.summary: "all_reduce, cell line 5: dist.all_reduce(t)"
     waiting: str | None  # "all_reduce", or None when not in a collective
     since: float  # time.monotonic() when this place was first seen
+    count: int = -1  # operations it issued on the default group (nbddp.worker_seq); -1: unknown
 
 
 @dataclass(frozen=True)
