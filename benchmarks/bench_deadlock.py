@@ -154,15 +154,17 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--soak", type=int, default=1000)
+    parser.add_argument("--parts", nargs="+", default=["patterns", "costs", "soak"])
     parser.add_argument("--json")
     args = parser.parse_args()
     os.environ.pop("OMP_NUM_THREADS", None)
-    results = {
-        "patterns": patterns(args.ranks, args.repeat),
-        "costs": costs(args.repeat, args.steps),
-        "soak": soak(args.soak) if args.soak else None,
-        "cpus": os.cpu_count(),
-    }
+    results: dict = {"cpus": os.cpu_count()}
+    if "patterns" in args.parts:
+        results["patterns"] = patterns(args.ranks, args.repeat)
+    if "costs" in args.parts:
+        results["costs"] = costs(args.repeat, args.steps)
+    if "soak" in args.parts and args.soak:
+        results["soak"] = soak(args.soak)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -45,6 +45,7 @@ class RankView:
         self.progress: P.RankProgress | None = None
         self.waiting: tuple[str, float] | None = None  # (collective, since) while blocked in it
         self.ops = -1  # collectives it issued on the default group (-1: not known)
+        self.ops_at = 0.0  # when that count was first seen
         self.ahead = -1  # the others' count, when this rank is behind them
 
     def state_text(self, now: float) -> str:
@@ -66,13 +67,17 @@ class RankView:
 Views = dict[int, RankView]
 
 
-def mark_behind(views: Views) -> None:
-    """The running ranks whose collective count is below the others' are behind (the
-    highest count is theirs to reach); the rest are not."""
+BEHIND_AFTER = 2.0  # a count below the others' and unchanged this long: behind
+
+
+def mark_behind(views: Views, now: float) -> None:
+    """The running ranks whose collective count has stayed below the others' for
+    BEHIND_AFTER s are behind (a moment's difference is ranks sampled apart)."""
     counts = [v.ops for v in views.values() if v.state == "running" and v.ops >= 0]
     top = max(counts, default=-1)
     for v in views.values():
-        v.ahead = top if v.state == "running" and 0 <= v.ops < top else -1
+        stuck = v.state == "running" and 0 <= v.ops < top and now - v.ops_at >= BEHIND_AFTER
+        v.ahead = top if stuck else -1
 
 
 def _lines(n: int) -> str:

@@ -96,20 +96,20 @@ def judge(
 ) -> Deadlock | None:
     """A certain deadlock among ``running`` (rank -> Seen) and ``finished`` (rank -> its
     final groups; ``why[rank]``: "finished the cell" or "did not run the cell")."""
-    left = _left_behind(running, finished, world, why)
+    left = _left_behind(running, finished, why)
     return left or _disagree(running, world, now, settle)
 
 
-def _left_behind(running, finished, world, why) -> Deadlock | None:
+def _left_behind(running, finished, why) -> Deadlock | None:
     final = {r: _counts(g) for r, g in finished.items()}
+    lowest: dict[tuple, int] = {}  # each group's lowest final count (its members' own)
+    for counts in final.values():
+        for key, n in counts.items():
+            lowest[key] = min(n, lowest.get(key, n))
     for rank in sorted(running):
-        seen = running[rank]
-        for key, seq in _counts(seen.groups).items():
-            members = key[1] or tuple(range(world))
-            behind = [(final[f][key], f) for f in members if f in final and key in final[f]]
-            if behind and min(behind)[0] < seq:
-                n, _ = min(behind)
-                return _say_left(running, final, key, n, why)
+        for key, seq in _counts(running[rank].groups).items():
+            if key in lowest and lowest[key] < seq:
+                return _say_left(running, final, key, lowest[key], why)
     return None
 
 

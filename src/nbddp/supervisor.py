@@ -258,7 +258,7 @@ class CellSupervisor:
         """A rank finished while others run: see at once whether they wait for it."""
         if self.detect and not self.suspect and self.phase.count["running"]:
             self.suspect = True
-            self._next_sample = min(self._next_sample, now + 0.05)
+            self._next_sample = min(self._next_sample, now + SUSPECT_EVERY)
 
     def _judge(self, now: float) -> None:
         """Look for a certain deadlock, once per batch of new positions."""
