@@ -91,7 +91,7 @@ __all__ = [
     *events.__all__,
 ]
 
-PROTOCOL_VERSION = 7  # 6: Metrics; 7: Reform carries the world size, Held, Run.versions
+PROTOCOL_VERSION = 8  # 6: Metrics; 7: Reform: world size, Held, Run.versions; 8: Stacks.groups
 
 
 # ---------------------------------------------------------------- data

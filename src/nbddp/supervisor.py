@@ -240,11 +240,9 @@ class CellSupervisor:
         return self.where[rank]
 
     def positions(self, rank: int, frames: tuple[Frame, ...], groups: tuple, now: float) -> None:
-        """A rank's counts of operations per group (a stack sample's ``groups``: the cell
-        they are final after, or None while it runs; its nbddp.worker_seq positions)."""
-        if len(groups) != 2:
-            return
-        after, places = groups
+        """A sample's ``groups``: (the cell its counts are final after, or None; its
+        nbddp.worker_seq positions)."""
+        after, places = groups if len(groups) == 2 else (None, ())
         phase = self.phase.get(rank)
         if phase == "running":
             old = self.seen.get(rank)
