@@ -47,8 +47,8 @@ def test_equal_counts_point_to_point_and_other_groups_are_never_judged():
 
 
 def test_ranks_in_different_calls_at_one_place_are_a_deadlock_once_it_lasts():
-    def seen(call, line, since):
-        return Seen(_in(call, line), (("0", (), 1, False),), 2.0, since)
+    def seen(call, line, since, on="0"):
+        return Seen(_in(call, line), (("0", (), 1, False),), 2.0, since, on)
 
     running = {0: seen("broadcast", 4, 1.0), 1: seen("all_reduce", 6, 1.0)}
     assert judge(running, {}, 2, {}, 1.2, 0.3) is None  # not settled yet
@@ -59,6 +59,10 @@ def test_ranks_in_different_calls_at_one_place_are_a_deadlock_once_it_lasts():
     )
     same = {0: seen("all_reduce", 4, 1.0), 1: seen("all_reduce", 4, 1.0)}
     assert judge(same, {}, 2, {}, 9.0, 0.3) is None  # a slow collective
+    # each blocked in a call on another group (rank 0 waits for rank 2 in one, rank 1 for
+    # rank 3 in another): the default group's counts agree and nothing is wrong with it
+    elsewhere = {0: seen("broadcast", 4, 1.0, "1"), 1: seen("all_reduce", 6, 1.0, "2")}
+    assert judge(elsewhere, {}, 2, {}, 9.0, 0.3) is None
 
 
 def test_the_supervisor_asks_the_finished_rank_and_aborts_once_sure():
@@ -166,6 +170,15 @@ if rank % 2 == 0:  # the odd ranks finish while the evens wait for rank 0: not m
     if rank == 0:
         time.sleep(1.5)
     dist.all_reduce(t, group=evens)
+if world_size >= 4:  # ranks 0 and 1 wait in different calls, each on a group of its own
+    pair, h, k = (dist.new_group(g) for g in ([0, 1], [0, 2], [1, 3]))
+    dist.all_reduce(t, group=pair)
+    if rank in (2, 3):
+        time.sleep(2.5)
+    if rank in (0, 2):
+        dist.broadcast(t, 0, group=h)
+    elif rank in (1, 3):
+        dist.all_reduce(t, group=k)
 """
 
 

@@ -37,6 +37,7 @@ class Seen:
     groups: tuple  # nbddp.worker_seq.Position each
     taken: float
     since: float  # when these frames and counts were first seen unchanged
+    on: str | None = None  # the group the torch.distributed call it is in is on
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def disagreeing(seen: dict[int, Seen], running: list[int]) -> bool:
 def world_count(groups: tuple) -> int:
     """Operations issued on the default group, from a sample's ``(after, positions)``;
     -1 when it did not say."""
-    places = groups[1] if len(groups) == 2 else ()
+    places = groups[1] if len(groups) >= 2 else ()
     return next((seq for _, ranks, seq, _ in places if not ranks), -1)
 
 
@@ -143,8 +144,8 @@ def _disagree(running: dict[int, Seen], world: int, now: float, settle: float) -
         members = key[1] or tuple(range(world))
         if set(members) - set(seqs) or len(set(seqs.values())) != 1:
             continue  # a member not running, or at different places: not this rule
-        if any(now - running[r].since < settle for r in members):
-            continue
+        if any(now - running[r].since < settle or running[r].on != key[0] for r in members):
+            continue  # (not settled, or a member blocked in a call on another group)
         ops = {r: calls(running[r].frames) for r in members}
         if any(op is None for op, _ in ops.values()) or len({op for op, _ in ops.values()}) < 2:
             continue

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import functools
 import weakref
+from types import FrameType
 
 import torch.distributed as dist
 
-__all__ = ["Position", "install", "positions"]
+__all__ = ["Position", "call_group", "install", "positions"]
 
 # (group name, its members' global ranks, () for the default group; operations issued;
 #  True when a point-to-point operation went through it)
@@ -64,18 +65,29 @@ def install() -> None:
 def positions() -> tuple[Position, ...]:
     """This rank's count of operations issued on each group it belongs to (none when no
     group is up). Read from any thread: a few calls into the backend, no Python stack."""
-    try:
-        if not dist.is_initialized():
-            return ()
-        world = dist.group.WORLD
-        out = []
-        for pg, name in list(dist.distributed_c10d._world.pg_names.items()):
-            members = dist.distributed_c10d._world.pg_group_ranks.get(pg)
-            if not members:
-                continue
-            ranks = () if pg is world else tuple(sorted(members))
-            seq = pg._get_sequence_number_for_group()
-            out.append((str(name), ranks, int(seq), pg in _p2p_groups))
-        return tuple(out)
-    except Exception:  # a group torn down as we read it: nothing to say this time
+    if not dist.is_initialized():
         return ()
+    world, out = dist.group.WORLD, []
+    for pg, name in list(dist.distributed_c10d._world.pg_names.items()):
+        members = dist.distributed_c10d._world.pg_group_ranks.get(pg)
+        try:
+            seq = int(pg._get_sequence_number_for_group())
+        except Exception:  # a backend that keeps no count, a group torn down meanwhile
+            continue
+        if members:
+            ranks = () if pg is world else tuple(sorted(members))
+            out.append((str(name), ranks, seq, pg in _p2p_groups))
+    return tuple(out)
+
+
+def call_group(frame: FrameType | None) -> str | None:
+    """The group the torch.distributed call innermost in ``frame``'s stack is on (a
+    thread's frame, read from another thread), or None when it is in none."""
+    while frame is not None:
+        if frame.f_code.co_filename.endswith("distributed_c10d.py"):
+            group = frame.f_locals.get("group", None)
+            pg = group if group is not None else dist.group.WORLD
+            name = dist.distributed_c10d._world.pg_names.get(pg)
+            return None if name is None else str(name)
+        frame = frame.f_back
+    return None
