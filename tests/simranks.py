@@ -105,6 +105,7 @@ class SimRank:
         self.namespace = {"rank": rank, "world_size": world, "print": self._print}
         self.namespace["leave"] = self._leave  # this rank dies (its connections close)
         self.left = False
+        self.last_cell, self.collectives = 0, 0  # what a real rank's Stacks says (worker_seq)
         self.relayed = "/" in address
         self.control.send_bytes(P.dumps(P.Ready("gloo", "cpu")))
 
@@ -124,6 +125,7 @@ class SimRank:
         msg = _decoded(data)
         if isinstance(msg, P.Run):
             status, error = "ok", None
+            self.last_cell, self.collectives = msg.cell, self.collectives + 1  # (one a cell)
             try:
                 exec(_compiled(msg.code), self.namespace)
             except Exception as exc:
@@ -140,8 +142,9 @@ class SimRank:
             self.control.send_bytes(done)
         elif isinstance(msg, P.Query):
             self.control.send_bytes(P.dumps(P.StatusReply(0, "cpu")))
-        elif isinstance(msg, P.StackQuery):
-            self.control.send_bytes(P.dumps(P.Stacks((), None)))
+        elif isinstance(msg, P.StackQuery):  # idle: its count is final after its last cell
+            places = (("0", (), self.collectives, False),)
+            self.control.send_bytes(P.dumps(P.Stacks((), None, (self.last_cell, places))))
         elif isinstance(msg, P.Shutdown):
             return False
         return True

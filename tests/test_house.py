@@ -21,7 +21,7 @@ CORE = {
     "copying", "detached", "detached_client", "detached_wire", "pool_calls", "wire",
     "handshake", "private", "tls", "markers", "resizing", "healing", "deathnote",
     "carriers", "detached_folder", "detached_kernels", "detached_outbox", "detached_pool",
-    "gpus", "pool_life", "codec",
+    "gpus", "pool_life", "codec", "deadlock",
 }  # fmt: skip
 FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",
@@ -32,7 +32,7 @@ WORKER = {
     "worker", "worker_control", "worker_group", "worker_shims", "worker_cell",
     "worker_code", "ddp", "debugger", "profiling", "collectives", "rich", "mpl_backend",
     "worker_copy", "metrics", "loggers", "workspace", "worker_held", "worker_wrap",
-    "worker_holder",
+    "worker_holder", "worker_seq",
 }  # fmt: skip
 # shared by the notebook, the worker and the relay: the wire, errors as data, stacks, the
 # listener (the relay's is the notebook's), streams, shipped data, the launcher, the

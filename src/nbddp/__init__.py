@@ -11,6 +11,7 @@ from .collectives import all_to_all, gather_objects, gather_tensors
 from .ddp import DDPContext
 from .errors import (
     CaptureError,
+    CellDeadlocked,
     CellFailed,
     CellInterrupted,
     NbddpError,
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError",
+    "CellDeadlocked",
     "CellFailed",
     "CellInterrupted",
     "DDPContext",

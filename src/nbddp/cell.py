@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import gc
 import inspect
+import os
 import time
 from dataclasses import dataclass
 
 from . import protocol as P
 from . import recovery
 from . import stacks as S
+from .deadlock import world_count
 from .errors import root_causes
 from .hub import Closed, Dones, Gone, Mark, Msg, Text
 from .outcome import Outcome, failures_of
@@ -90,6 +92,7 @@ class Cell:
         self.generation = getattr(pool, "generation", 0)  # (a restart since: ranks gone)
         self.dropped = False  # finish() let it go: a close is no consumer giving up
         self.outer: Cell | None = None  # the cell this one runs inside (a heal's copy)
+        self._counts: dict[int, int] = {}  # each rank's last collective count shown
         self._events = self._run()
 
     @property
@@ -150,6 +153,9 @@ class Cell:
             grace=pool.grace,
             timeout=self.timeout,
             replace_dead=recovery.can_replace(pool),
+            others=tuple(r.rank for r in pool.roster.live() if r.rank not in self.runs),
+            world=pool.world_size,
+            detect=os.environ.get("NBDDP_DEADLOCKS", "1") != "0",
         )
         table = pool.roster.ranks
         # a relay forwards a rank's Done after all it printed: no end markers to wait for
@@ -294,10 +300,16 @@ class Cell:
         yield from self._dones((rank,), msg)
 
     def _stacks(self, rank: int, msg: P.Stacks):
-        sup = self.sup
-        place = sup.stacks(rank, msg.frames, time.monotonic())
-        if place is not None:
-            yield P.RankWhere(rank, S.summary(place.frames), sup.waiting_in(rank), place.since)
+        sup, now = self.sup, time.monotonic()
+        sup.positions(rank, msg.frames, msg.groups, now)
+        place, count = sup.stacks(rank, msg.frames, now), world_count(msg.groups)
+        if place is None and count == self._counts.get(rank, count):
+            return  # (neither moved: nothing new to show)
+        self._counts[rank] = count
+        place = place or sup.where.get(rank)
+        if place is not None and sup.phase.get(rank) == "running":
+            summary = S.summary(place.frames)
+            yield P.RankWhere(rank, summary, sup.waiting_in(rank), place.since, count)
 
     def _store_port(self, _rank: int, msg: P.StorePort):
         self.pool.roster.set_store_port(msg.port)  # a script formed the group again

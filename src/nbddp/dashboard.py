@@ -139,6 +139,9 @@ class Dashboard:
             show_rich(event)
         elif isinstance(event, P.RankWhere) and view is not None:
             view.waiting = (event.waiting, event.since) if event.waiting else None
+            if event.count != view.ops:
+                view.ops, view.ops_at = event.count, self.clock()
+            H.mark_behind(self.views, self.clock())
         elif isinstance(event, P.RankDebug) and view is not None:
             view.state = "debugging"  # until its next state: shown now, pdb waits for a line
             self._render(force=True)

@@ -30,21 +30,40 @@ class RankView:
         self.last = ""
         self.progress: P.RankProgress | None = None
         self.waiting: tuple[str, float] | None = None  # (collective, since) while blocked in it
+        self.ops = -1  # collectives it issued on the default group (-1: not known)
+        self.ops_at = 0.0  # when that count was first seen
+        self.ahead = -1  # the others' count, when this rank is behind them
 
     def state_text(self, now: float) -> str:
-        """``running``, or ``waiting in all_reduce (12 s)`` for a rank blocked in a collective."""
+        """``running``, ``waiting in all_reduce #12 (12 s)`` for a rank blocked in a
+        collective, and ``behind: #10 of #12`` for a rank behind the others."""
+        n = f" #{self.ops}" if self.ops >= 0 else ""
+        behind = f", behind: #{self.ops} of #{self.ahead}" if self.ahead > self.ops >= 0 else ""
         if self.state == "running" and self.waiting is not None:
             op, since = self.waiting
-            return f"waiting in {op} ({now - since:.0f} s)"
+            return f"waiting in {op}{n} ({now - since:.0f} s){behind}"
         if self.state == "replaced":
             return "dead: new process"
-        return self.state
+        return f"{self.state}{n and ', collective' + n}{behind}"
 
     def elapsed(self, now: float) -> float | None:
         return None if self.started is None else (self.ended or now) - self.started
 
 
 Views = dict[int, RankView]
+
+
+BEHIND_AFTER = 2.0  # a count below the others' and unchanged this long: behind
+
+
+def mark_behind(views: Views, now: float) -> None:
+    """The running ranks whose collective count has stayed below the others' for
+    BEHIND_AFTER s are behind (a moment's difference is ranks sampled apart)."""
+    counts = [v.ops for v in views.values() if v.state == "running" and v.ops >= 0]
+    top = max(counts, default=-1)
+    for v in views.values():
+        stuck = v.state == "running" and 0 <= v.ops < top and now - v.ops_at >= BEHIND_AFTER
+        v.ahead = top if stuck else -1
 
 
 def _lines(n: int) -> str:

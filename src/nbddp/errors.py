@@ -31,6 +31,7 @@ from .protocol import ErrorInfo
 
 __all__ = [
     "CaptureError",
+    "CellDeadlocked",
     "CellFailed",
     "CellInterrupted",
     "NbddpError",
@@ -231,6 +232,38 @@ class CellFailed(NbddpError):
         out += self._folded()
         out += self.notes
         return out
+
+
+class CellDeadlocked(CellFailed):
+    """Collectives that could never complete ended the cell (nbddp.deadlock): the group
+    was aborted under the waiting ranks and re-formed. What it was comes first; the
+    ranks it freed follow in one line, and a rank's own error, if any, after them."""
+
+    def __init__(self, deadlock: str, failures=None, notes=None, freed=(), kept=False):
+        self.deadlock = deadlock
+        self.freed = tuple(freed)
+        super().__init__(failures or [], notes, freed, kept)
+        every = self.failures + self.consequences  # the freed are consequences, all of them
+        self.failures = [f for f in every if not self._freed(f)]
+        self.consequences = [f for f in every if self._freed(f)]
+
+    def _lines(self) -> list[str]:
+        freed = sorted({f.rank for f in self.consequences})
+        own = [f.summary for f in self.failures]
+        kept = "; state kept" if self.kept else ""
+        said = [f"{S.rank_set(freed)}: freed by the abort{kept}"] if freed else []
+        return [self.deadlock, *said, *own, *self.notes]
+
+    def _freed(self, failure) -> bool:
+        """Its error came out of the aborted group (a collective), not out of its code."""
+        return failure.rank in self.freed or bool(getattr(failure, "collective", ""))
+
+    def _message(self) -> str:
+        return "\n".join(self._lines())
+
+    def _render_traceback_(self) -> list[str]:
+        first, *rest = self._lines()
+        return [f"{type(self).__name__}: {first}", *rest]
 
 
 class CellInterrupted(CellFailed):

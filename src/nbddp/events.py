@@ -62,6 +62,7 @@ class RankWhere:
     where: str  # nbddp.stacks.summary: "all_reduce, cell line 5: dist.all_reduce(t)"
     waiting: str | None  # "all_reduce", or None when not in a collective
     since: float  # time.monotonic() when this place was first seen
+    count: int = -1  # operations it issued on the default group (nbddp.worker_seq); -1: unknown
 
 
 @dataclass(frozen=True)
@@ -135,3 +136,4 @@ class CellEnd:
     freed: tuple[int, ...] = ()  # ranks whose group was aborted under them (consequences)
     profiles: dict[int, Profile] = field(default_factory=dict)  # with Run.profile
     kept: bool = True  # the ranks that lived kept their namespaces (the pool was not stopped)
+    deadlock: str = ""  # a certain deadlock ended the cell: what it was (nbddp.deadlock)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from . import payload
 from . import protocol as P
 from .carriers import twin
-from .errors import CellFailed, CellInterrupted, RankDied, RankFailed
+from .errors import CellDeadlocked, CellFailed, CellInterrupted, RankDied, RankFailed
 from .stacks import CELL_PREFIX
 from .supervisor import CellSupervisor
 
@@ -123,6 +123,7 @@ class Outcome:
             tuple(sorted(r for r, d in self.done.items() if d.freed)),
             {r: d.profile for r, d in self.done.items() if d.profile is not None},
             kept,
+            sup.deadlock.message if sup.deadlock else "",
         )
 
 
@@ -157,5 +158,7 @@ def raise_for_end(end: P.CellEnd, hosts: dict[int, str] | None = None, label: st
         failures = [named_cell(f, end.cell, label) for f in failures]
     if end.interrupted:
         raise CellInterrupted(end.interrupted, failures, list(end.notes), end.stacks)
+    if end.deadlock:
+        raise CellDeadlocked(end.deadlock, failures, list(end.notes), end.freed, end.kept)
     if failures:
         raise CellFailed(failures, list(end.notes), freed=end.freed, kept=end.kept)

@@ -90,7 +90,7 @@ __all__ = [
     *events.__all__,
 ]
 
-PROTOCOL_VERSION = 7  # 6: Metrics; 7: Reform carries the world size, Held, Run.versions
+PROTOCOL_VERSION = 8  # 6: Metrics; 7: Reform: world size, Held, Run.versions; 8: Stacks.groups
 
 
 # ---------------------------------------------------------------- data
@@ -253,6 +253,7 @@ class Stacks:
 
     frames: tuple[tuple[str, int, str, str], ...]
     cell: int | None  # the cell it is running, None when idle
+    groups: tuple = ()  # its place in each group's collectives (nbddp.worker_seq.Position)
 
 
 # ---------------------------------------------------------------- notebook -> worker

@@ -102,15 +102,10 @@ def reform(pool, sup, out, quiet: bool = False):
         return
     if quiet:
         return
-    stopped = [r for r in out.done if r not in sup.aborted_running]
-    waits = collectives_of(sup, out)
-    how = f"waiting in {', '.join(waits)}" if waits else "in a collective"
-    what = (
-        f"{S.rank_set(stopped)} had stopped while {S.rank_set(sup.aborted_running)} "
-        f"still ran ({how})"
-        if stopped
-        else f"every rank still ran after the {sup.interrupted or 'failure'} ({how})"
-    )
+    if getattr(sup, "deadlock", None) is not None:  # (said first, by the error)
+        what = "to end the deadlock"
+    else:
+        what = _what_ran(sup, out)
     pool.notes.append(
         f"{what}: the process group was aborted and re-formed in "
         f"{time.monotonic() - t0:.2f} s. "
@@ -125,6 +120,19 @@ def collectives_of(sup, out) -> list[str]:
     seen = {w for r in running if (w := sup.waiting_in(r))}
     seen |= {e.collective for r, e in out.errors.items() if r in running and e.collective}
     return sorted(seen)
+
+
+def _what_ran(sup, out) -> str:
+    """``rank 1 had stopped while ranks 0, 2 still ran (waiting in all_reduce)``."""
+    stopped = [r for r in out.done if r not in sup.aborted_running]
+    waits = collectives_of(sup, out)
+    how = f"waiting in {', '.join(waits)}" if waits else "in a collective"
+    return (
+        f"{S.rank_set(stopped)} had stopped while {S.rank_set(sup.aborted_running)} "
+        f"still ran ({how})"
+        if stopped
+        else f"every rank still ran after the {sup.interrupted or 'failure'} ({how})"
+    )
 
 
 def _rebuilt(pool) -> str:

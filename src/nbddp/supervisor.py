@@ -35,6 +35,9 @@ The cell::
         -> else stop the other ranks at once: the group lost a member for good
     a long cell
         -> stacks every SAMPLE_EVERY s, so a sink can show "waiting in all_reduce (12 s)"
+    a rank finished while others run (or --ranks left some out): samples every
+        SUSPECT_EVERY s carry each group's count; a certain deadlock (nbddp.deadlock)
+        aborts the group at once, as after a failure
 """
 
 from __future__ import annotations
@@ -42,13 +45,16 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .deadlock import Deadlock, Seen, disagreeing, judge
 from .stacks import Frame, collective
 
 __all__ = ["Action", "CellSupervisor"]
 
-SAMPLE_EVERY = 2.0  # stacks of a long-running cell, for the dashboard
+SAMPLE_EVERY = 1.0  # stacks (and collective counts) of a long-running cell, for the dashboard
 SAMPLE_FAST = 0.1  # stacks after a failure, to abort as soon as the others wait
 SETTLE = 0.2  # seen waiting in the same collective this long after a failure: blocked
+SUSPECT_EVERY = 0.25  # positions while some ranks have finished and others still run
+DISAGREE_SETTLE = 0.3  # ranks in different collectives at one place this long: deadlocked
 
 ENDED = ("ok", "failed", "interrupted", "dead", "stopped")
 
@@ -111,6 +117,9 @@ class CellSupervisor:
     grace: float = 3.0
     timeout: float | None = None
     replace_dead: bool = False  # a dead rank gets a new process: free the others, keep them
+    others: tuple[int, ...] = ()  # live ranks the cell does not run on (--ranks)
+    world: int = 0  # the group's size (0: the targets')
+    detect: bool = True  # look for deadlocks (NBDDP_DEADLOCKS=0: off, to measure what it costs)
     phase: dict[int, str] = field(init=False)
     first_failure: tuple[float, int] | None = field(init=False, default=None)
     interrupted: str | None = field(init=False, default=None)  # "interrupt" | "timeout"
@@ -122,12 +131,20 @@ class CellSupervisor:
     where: dict[int, _Where] = field(init=False, default_factory=dict)
     stacks_at_interrupt: dict[int, tuple[Frame, ...]] = field(init=False, default_factory=dict)
     status: dict[int, str] = field(init=False, default_factory=dict)  # from each Done
+    seen: dict[int, Seen] = field(init=False, default_factory=dict)  # running ranks' places
+    final: dict[int, tuple] = field(init=False, default_factory=dict)  # finished ranks' counts
+    deadlock: Deadlock | None = field(init=False, default=None)
+    suspect: bool = field(init=False, default=False)  # a rank finished, others run
 
     def __post_init__(self) -> None:
         self.phase = _Phases(self.targets, "running")
         self.started = self.now
-        self._next_sample = self.now + SAMPLE_EVERY
+        if not self.detect:
+            self.others = ()
+        self._every = SAMPLE_EVERY if self.detect else 2 * SAMPLE_EVERY
+        self._next_sample = self.now + (SUSPECT_EVERY if self.others else self._every)
         self._pending: list[Action] = []
+        self._news = False  # positions came since the last judgement
 
     @property
     def triggered_at(self) -> float | None:
@@ -168,6 +185,7 @@ class CellSupervisor:
         self.status[rank] = status
         if status != "ok":
             self._failed(rank, now)
+        self._suspect(now)
 
     def ended(self, rank: int) -> bool:
         """The rank's output is all in (both end markers after Done): it has finished.
@@ -188,6 +206,7 @@ class CellSupervisor:
         if status != "ok":
             for rank in running:
                 self._failed(rank, now)
+        self._suspect(now)
         return running
 
     def _final(self, rank: int) -> str:
@@ -220,6 +239,59 @@ class CellSupervisor:
         self.where[rank] = _Where(frames, now, now)
         return self.where[rank]
 
+    def positions(self, rank: int, frames: tuple[Frame, ...], groups: tuple, now: float) -> None:
+        """A sample's ``groups``: (the cell its counts are final after, or None; its
+        nbddp.worker_seq positions)."""
+        after, places, on = (*groups, None)[:3] if len(groups) >= 2 else (None, (), None)
+        phase = self.phase.get(rank)
+        if phase == "running":
+            old = self.seen.get(rank)
+            same = old is not None and old.groups == places and old.frames == frames
+            self.seen[rank] = Seen(frames, places, now, old.since if same else now, on)
+        elif after is not None and (after == self.cell or phase is None):
+            self.final.setdefault(rank, places)  # finished here (or not in the cell): final
+        self._news = True
+
+    def _suspect(self, now: float) -> None:
+        """A rank finished while others run: see at once whether they wait for it."""
+        if self.detect and not self.suspect and self.phase.count["running"]:
+            self.suspect = True
+            self._next_sample = min(self._next_sample, now + SUSPECT_EVERY)
+
+    def _judge(self, now: float) -> None:
+        """Look for a certain deadlock, once per batch of new positions."""
+        if not self._news or not self.detect or self.deadlock or self.first_failure:
+            return
+        self._news = False
+        running = {r: self.seen[r] for r in self.running if r in self.seen}
+        ended = [r for r in self.targets if self.phase[r] != "running"] + list(self.others)
+        if self.interrupt_at or len(running) < len(self.running) or self.final.keys() < set(ended):
+            return  # (every rank heard from: the message names all it concerns)
+        why = dict.fromkeys(self.others, "did not run the cell")
+        finished, world = {r: self.final[r] for r in ended}, self.world or len(self.targets)
+        self.deadlock = judge(running, finished, world, why, now, DISAGREE_SETTLE)
+        if self.deadlock is None and disagreeing(self.seen, self.running):  # sure if it stays
+            self._next_sample = min(self._next_sample, now + DISAGREE_SETTLE)
+
+    def _to_ask(self) -> tuple[int, ...]:
+        """The ranks a sample asks: the running, and (suspecting) those whose final
+        counts are not in yet."""
+        if self.first_failure is not None or self.interrupt_at is not None:
+            return tuple(self.running)  # (the failure's own path frees them)
+        ask = self.running + [r for r in self.others if r not in self.final]
+        if self.suspect:
+            ask += [r for r in self.targets if self.phase[r] != "running" and r not in self.final]
+        return tuple(ask)
+
+    def _sample_every(self, now: float) -> float:
+        fast = self.first_failure is not None or self.interrupt_at is not None
+        fast = fast and (self.aborted_at is None or now < self.aborted_at + self.grace)
+        if fast:
+            return SAMPLE_FAST
+        if self.suspect or (self.detect and disagreeing(self.seen, self.running)):
+            return SUSPECT_EVERY
+        return self._every
+
     def interrupt(self, reason: str, now: float) -> list[Action]:
         """The stop button, Ctrl-C, or the timeout: where they are, then SIGINT."""
         if self.interrupted is not None or self.finished:
@@ -245,6 +317,9 @@ class CellSupervisor:
     def _abort_at(self, now: float) -> float | None:
         if self.aborted_at is not None or not self.phase.count["running"] or self.stopped:
             return None
+        self._judge(now)
+        if self.deadlock is not None:
+            return now  # certain: nothing to wait for
         times = []
         if self.first_failure is not None:
             times.append(self.first_failure[0] + self.abort_after)
@@ -293,10 +368,8 @@ class CellSupervisor:
             self.aborted_at, self.aborted_running = now, tuple(self.running)
             actions.append(Action("abort", self.aborted_running))
         if now >= self._next_sample and self.phase.count["running"]:
-            fast = self.first_failure is not None or self.interrupt_at is not None
-            fast = fast and (self.aborted_at is None or now < self.aborted_at + self.grace)
-            self._next_sample = now + (SAMPLE_FAST if fast else SAMPLE_EVERY)
-            actions.append(Action("stacks", tuple(self.running)))
+            self._next_sample = now + self._sample_every(now)
+            actions.append(Action("stacks", self._to_ask()))
         return actions
 
     def _take_pending(self) -> list[Action]:

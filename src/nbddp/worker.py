@@ -35,7 +35,17 @@ import traceback
 import psutil
 import torch
 
-from . import debugger, handshake, metrics, relay, rich, wire, worker_holder, worker_shims
+from . import (
+    debugger,
+    handshake,
+    metrics,
+    relay,
+    rich,
+    wire,
+    worker_holder,
+    worker_seq,
+    worker_shims,
+)
 from . import protocol as P
 from .ddp import threads_for
 from .private import UnsafeFile, read_token_file
@@ -122,6 +132,7 @@ class Worker:
         self.cells.main_ident = threading.get_ident()
         self._apply_threads()
         worker_shims.install(self.group)
+        worker_seq.install()
         signal.signal(signal.SIGINT, self.cells.on_sigint)
         rich.attach(self.send)
         metrics.attach(self.send)

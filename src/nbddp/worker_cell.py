@@ -28,6 +28,7 @@ from .ddp import DDPContext
 from .worker_code import OUT_OF_MEMORY, adopt, error_info, run_code, run_script, unwrap
 from .worker_control import flush_streams, write_marker
 from .worker_group import GroupKeeper, layout
+from .worker_seq import call_group, positions
 
 __all__ = ["CellInterrupts", "CellRunner"]
 
@@ -138,8 +139,15 @@ class CellRunner:
             self.signal_main()
 
     def on_stack_query(self, _msg: P.StackQuery) -> None:
-        frames = S.main_thread_frames(self.main_ident) if self.running else ()
-        self.send(P.Stacks(frames, self.cell if self.running else None))
+        """Where the main thread is, and its place in each group's collectives: final
+        for the last cell it ran when it was idle before and after they were read."""
+        idle, cell = not self.running, self.cell
+        frame = None if idle else sys._current_frames().get(self.main_ident)
+        frames = S.frames_of(frame) if frame is not None else ()
+        places, on = positions(), call_group(frame)
+        after = (cell or 0) if idle and not self.running and self.cell == cell else None
+        del frame
+        self.send(P.Stacks(frames, self.cell if self.running else None, (after, places, on)))
 
     def on_abort_group(self, msg: P.AbortGroup, inbox_put: Callable[[object], None]) -> None:
         if self.running and msg.cell == self.cell:

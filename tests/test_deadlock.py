@@ -1,0 +1,294 @@
+"""Certain deadlocks end the cell by themselves, named, with every namespace kept; slow
+ranks, slow collectives and subgroups never do (issue 37)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from helpers import collect, healthy, namespace_digests
+from nbddp.deadlock import Seen, judge
+from nbddp.errors import CellDeadlocked
+from nbddp.outcome import raise_for_end
+from nbddp.stacks import rank_set
+from nbddp.supervisor import CellSupervisor
+
+CELL = "<ddp-cell-1>"
+C10D = "/site/torch/distributed/distributed_c10d.py"
+
+
+def _in(call: str, line: int) -> tuple:
+    return ((CELL, line, "<module>", f"dist.{call}(t)"), (C10D, 9, call, "work.wait()"))
+
+
+# ---------------------------------------------------------------- the rules, pure
+
+
+def test_a_rank_that_finished_behind_a_waiting_one_is_a_deadlock():
+    waiting = Seen(_in("all_reduce", 4), (("0", (), 3, False),), 1.0, 1.0)
+    found = judge({0: waiting, 2: waiting}, {1: (("0", (), 2, False),)}, 3, {}, 1.0, 0.3)
+    assert found.message == (
+        "deadlock: ranks 0, 2 wait in all_reduce #3 (cell line 4); "
+        "rank 1 finished the cell after 2 collectives"
+    )
+    assert found.waiting == (0, 2)
+
+
+def test_equal_counts_point_to_point_and_other_groups_are_never_judged():
+    seen = Seen(_in("all_reduce", 4), (("0", (), 3, False), ("1", (0, 2), 5, False)), 1.0, 1.0)
+    done = {1: (("0", (), 3, False),)}  # it took part in #3: rank 0 is just late
+    assert judge({0: seen}, done, 3, {}, 1.0, 0.3) is None
+    p2p = Seen((), (("0", (), 9, True),), 1.0, 1.0)  # sends counted on one side only
+    assert judge({0: p2p}, {1: (("0", (), 2, True),)}, 2, {}, 1.0, 0.3) is None
+    other = {1: (("1", (1, 2), 0, False),)}  # not a member of rank 0's group 1
+    assert judge({0: seen}, other, 3, {}, 1.0, 0.3) is None
+
+
+def test_ranks_in_different_calls_at_one_place_are_a_deadlock_once_it_lasts():
+    def seen(call, line, since, on="0"):
+        return Seen(_in(call, line), (("0", (), 1, False),), 2.0, since, on)
+
+    running = {0: seen("broadcast", 4, 1.0), 1: seen("all_reduce", 6, 1.0)}
+    assert judge(running, {}, 2, {}, 1.2, 0.3) is None  # not settled yet
+    found = judge(running, {}, 2, {}, 1.5, 0.3)
+    assert found.message == (
+        "deadlock: ranks disagree on collective #1: rank 0 broadcast (line 4), "
+        "rank 1 all_reduce (line 6)"
+    )
+    same = {0: seen("all_reduce", 4, 1.0), 1: seen("all_reduce", 4, 1.0)}
+    assert judge(same, {}, 2, {}, 9.0, 0.3) is None  # a slow collective
+    # each blocked in a call on another group (rank 0 waits for rank 2 in one, rank 1 for
+    # rank 3 in another): the default group's counts agree and nothing is wrong with it
+    elsewhere = {0: seen("broadcast", 4, 1.0, "1"), 1: seen("all_reduce", 6, 1.0, "2")}
+    assert judge(elsewhere, {}, 2, {}, 9.0, 0.3) is None
+
+
+def test_the_supervisor_asks_the_finished_rank_and_aborts_once_sure():
+    sup = CellSupervisor(1, [0, 1], 100.0)
+    sup.done(1, "ok", 100.0)
+    assert sup.ended(1)
+    assert not [a for a in sup.due(100.1) if a.kind == "stacks"]  # a moment to finish
+    actions = sup.due(100.25)
+    asked = [a for a in actions if a.kind == "stacks"]
+    assert asked
+    assert set(asked[0].ranks) == {0, 1}
+    sup.positions(1, (), (1, (("0", (), 2, False),)), 100.1)
+    sup.positions(0, _in("all_reduce", 3), (None, (("0", (), 3, False),)), 100.1)
+    assert [a.kind for a in sup.due(100.3)] == ["abort"]
+    assert sup.deadlock.message.startswith("deadlock: rank 0 waits in all_reduce #3")
+
+
+def test_a_final_count_from_before_the_cell_ended_is_not_taken():
+    sup = CellSupervisor(5, [0, 1], 100.0)
+    sup.done(1, "ok", 100.0)
+    sup.positions(1, (), (4, (("0", (), 0, False),)), 100.1)  # said after cell 4
+    sup.positions(0, _in("all_reduce", 3), (None, (("0", (), 3, False),)), 100.1)
+    assert "abort" not in [a.kind for a in sup.due(100.2)]
+
+
+# ---------------------------------------------------------------- real pools
+
+SETUP = (
+    "import torch, torch.distributed as dist\n"
+    "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+    "model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))\n"
+    "x = torch.randn(8, 4)\n"
+)
+CELLS_BIND = {"_g"}  # the names the patterns bind (a subgroup: all ranks make it)
+
+
+def _patterns(n: int) -> list[tuple[str, list[int] | None, str]]:
+    """(cell, ranks, the message's pattern) for each deadlock pattern at ``n`` ranks."""
+    not0, not1, last = list(range(1, n)), [0, *range(2, n)], n - 1
+    pairs = rank_set(not1)
+    return [
+        ("if rank == 0:\n    model(x)\n", None,
+         rf"deadlock: rank 0 waits in collective #\d+ \(cell line 2\); "
+         rf"{rank_set(not0)} finished the cell after \d+ collectives"),
+        ("if rank != 1:\n    dist.all_reduce(torch.ones(2))\n", None,
+         rf"deadlock: {pairs} waits? in all_reduce #\d+ \(cell line 2\); "
+         r"rank 1 finished the cell after \d+ collectives"),
+        ("if rank == 0:\n    dist.barrier()\n", None,
+         rf"deadlock: rank 0 waits in barrier #\d+ \(cell line 2\); "
+         rf"{rank_set(not0)} finished the cell after \d+ collectives"),
+        ("if rank == 0:\n    dist.broadcast(torch.ones(2), 0)\nelse:\n"
+         "    dist.all_reduce(torch.ones(2))\n", None,
+         rf"deadlock: ranks disagree on collective #\d+: rank 0 broadcast \(line 2\), "
+         rf"{rank_set(not0)} all_reduce \(line 4\)"),
+        ("_g = dist.new_group([0, 1])\nif rank == 0:\n"
+         "    dist.all_reduce(torch.ones(2), group=_g)\n", None,
+         r"deadlock: rank 0 waits in all_reduce #1 \(cell line 3\) of group \d+ "
+         r"\(ranks 0, 1\); rank 1 finished the cell after 0 collectives"),
+        ("dist.all_reduce(torch.ones(2))\n", list(range(n - 1)),
+         rf"deadlock: {rank_set(list(range(n - 1)))} waits? in all_reduce #\d+ "
+         rf"\(cell line 1\); rank {last} did not run the cell \(--ranks\), at \d+ collectives"),
+    ]  # fmt: skip
+
+
+def _deadlocked(pool, code: str, ranks=None) -> CellDeadlocked:
+    _, _, end = collect(pool.run(code, ranks=ranks))
+    with pytest.raises(CellDeadlocked) as info:
+        raise_for_end(end)
+    return info.value
+
+
+def test_each_pattern_ends_by_itself_named_and_every_namespace_is_kept(pool_of_size):
+    pool = healthy(pool_of_size)
+    n = pool.world_size
+    pool.execute(SETUP)
+    before, pids = namespace_digests(pool), list(pool.pids)
+    for code, ranks, pattern in _patterns(n):
+        error = _deadlocked(pool, code, ranks)
+        first = str(error).splitlines()[0]
+        assert re.fullmatch(pattern, first), (code, str(error))
+        assert "re-formed" in str(error)
+        assert "kept its namespace" in str(error)
+    after = [{k: v for k, v in d.items() if k not in CELLS_BIND} for d in namespace_digests(pool)]
+    assert after == before
+    assert pool.pids == pids  # no process was replaced, the pool never restarted
+    assert pool.execute("dist.all_reduce(t := torch.ones(1)) or int(t)") == [n] * n
+
+
+NO_ALARM = """
+import time, torch, torch.distributed as dist
+t = torch.ones(4)
+if rank == world_size - 1:
+    time.sleep(8)  # joins 8 s late: the others wait in all_reduce meanwhile
+dist.all_reduce(t)
+t0 = time.time()
+if rank == 0:
+    while time.time() - t0 < 3:  # a long compute loop
+        pass
+dist.barrier()
+big = torch.ones(50_000_000)  # 200 MB
+dist.all_reduce(big)
+del big
+evens = dist.new_group(list(range(0, world_size, 2)))
+if rank % 2 == 0:  # the odd ranks finish while the evens wait for rank 0: not members
+    if rank == 0:
+        time.sleep(1.5)
+    dist.all_reduce(t, group=evens)
+if world_size >= 4:  # ranks 0 and 1 wait in different calls, each on a group of its own
+    pair, h, k = (dist.new_group(g) for g in ([0, 1], [0, 2], [1, 3]))
+    dist.all_reduce(t, group=pair)
+    if rank in (2, 3):
+        time.sleep(2.5)
+    if rank in (0, 2):
+        dist.broadcast(t, 0, group=h)
+    elif rank in (1, 3):
+        dist.all_reduce(t, group=k)
+"""
+
+
+def test_slow_ranks_slow_collectives_and_subgroups_are_never_taken_for_one(pool_of_size):
+    pool = healthy(pool_of_size)
+    _, _, end = collect(pool.run(NO_ALARM))
+    raise_for_end(end)
+    assert not end.deadlock
+    assert not end.notes
+
+
+def _soak_cell(rng: random.Random, n: int) -> str:
+    """A mixed trivial cell: collectives, subgroups, sends, ranks finishing apart."""
+    delay = f"time.sleep({rng.uniform(0, 0.02):.3f} * ((rank + {rng.randrange(n)}) % {n}))\n"
+    kinds = [
+        "dist.all_reduce(torch.ones(2))\n",
+        "dist.barrier()\n",
+        "dist.broadcast(torch.ones(2), src=world_size - 1)\n",
+        "dist.all_gather_object([None] * world_size, rank)\n",
+        "_g = dist.new_group([0, 1])\nif rank < 2:\n    dist.all_reduce(torch.ones(1), group=_g)\n",
+        "if rank == 0:\n    dist.send(torch.ones(1), 1)\nelif rank == 1:\n"
+        "    dist.recv(torch.ones(1), 0)\n",
+        "pass\n",
+    ]
+    return "".join(delay + rng.choice(kinds) for _ in range(rng.randint(1, 3)))
+
+
+def test_a_soak_of_mixed_cells_with_random_delays_never_aborts(pool_of_size):
+    """200 cells here (the benchmark runs 1,000)."""
+    pool = healthy(pool_of_size)
+    if pool.world_size != 3:
+        pytest.skip("the soak runs at 3 ranks")
+    pool.execute("import time, torch, torch.distributed as dist")
+    rng = random.Random(37)
+    for i in range(200):
+        code = _soak_cell(rng, pool.world_size)
+        _, _, end = collect(pool.run(code))
+        raise_for_end(end)
+        assert not end.notes, (i, code, end.notes)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("n", [3, 8])
+def test_through_a_kernel_the_deadlock_is_the_first_thing_the_cell_shows(kernel, n):
+    from test_kernel import execute, pool_pids
+
+    _, kc = kernel
+    execute(kc, "%load_ext nbddp")
+    r = execute(kc, f"%%ddp -n {n} --text\n{SETUP}kept = rank + 10", timeout=120)
+    assert r.error is None, r.text
+    pids = pool_pids(kc)
+    for code, head in [  # (the DDP model first: a re-form leaves it stale)
+        ("if rank == 0:\n    model(x)", "deadlock: rank 0 waits in collective #"),
+        ("if rank != 1:\n    dist.all_reduce(torch.ones(2))",
+         f"deadlock: {rank_set([0, *range(2, n)])} wait in all_reduce #"),
+    ]:  # fmt: skip
+        r = execute(kc, f"%%ddp --text --no-auto\n{code}", timeout=60)
+        assert r.error["ename"] == "CellDeadlocked", r.text
+        assert r.error["evalue"].startswith(head), r.error["evalue"]
+        assert r.stdout == "", r.stdout  # nothing before the error
+    r = execute(kc, "%%ddp --text\nprint('kept', kept)")
+    assert r.error is None
+    assert all(f"[rank {i}] kept {i + 10}" in r.stdout for i in range(n))
+    assert pool_pids(kc) == pids
+    execute(kc, "%ddp stop")
+
+
+def test_the_dashboard_row_shows_each_ranks_count_and_names_the_one_behind():
+    from nbddp import protocol as P
+    from nbddp.dashboard import Dashboard
+
+    now = [100.0]
+    board = Dashboard([0, 1, 2], world_size=3, clock=lambda: now[0], interval=0)
+    board.handle(P.RankStates((0, 1, 2), "running"))
+    board.handle(P.RankWhere(0, "all_reduce, cell line 3", "all_reduce", 98.0, 1208))
+    board.handle(P.RankWhere(1, "all_reduce, cell line 3", "all_reduce", 98.0, 1208))
+    board.handle(P.RankWhere(2, "cell line 2: loss.backward()", None, 99.0, 1190))
+    assert "behind" not in board.widget.rows  # (ranks sampled a moment apart differ)
+    now[0] += 2.0
+    board.handle(P.RankWhere(2, "cell line 2: loss.backward()", None, 99.0, 1190))
+    rows = board.widget.rows
+    assert rows.count("waiting in all_reduce #1208 (4 s)") == 2
+    assert "running, collective #1190, behind: #1190 of #1208" in rows
+    board.close(None)
+    assert "behind: #1190 of #1208" in board.widget.rows  # the frozen cell keeps it
+
+
+@pytest.mark.timeout(120)
+def test_256_simulated_ranks_finishing_apart_are_never_taken_for_one():
+    """The watch at scale: the ranks of one simulated process finish 0.6 s before those
+    of the other (one process of ranks sleeps in rank 0's cell), so the finished ranks
+    are asked for their counts while the others run; nothing is aborted. (A simulated
+    process answers only between cells, so its running ranks never report: the judge
+    itself is covered by the real pools above.)"""
+    import secrets
+
+    import simranks
+    from nbddp.pool import Pool
+
+    token = secrets.token_bytes(16)
+    pool = Pool(256, listen=("127.0.0.1", 0), token=token, start_timeout=60)
+    sims = simranks.start(pool.listen(), token, 256, 2)
+    try:
+        pool.start()
+        for _ in range(3):
+            _, _, end = collect(pool.run("import time\nif rank == 0:\n    time.sleep(0.6)"))
+            assert not end.deadlock
+            assert not end.errors
+            assert not end.notes
+    finally:
+        pool.stop()
+        for sim in sims:
+            sim.wait(30)
