@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from . import protocol as P
 from .ddp import DDPContext
+from .worker_seq import positions
 
 __all__ = ["GroupKeeper", "layout", "open_sockets", "shut_down_sockets"]
 
@@ -166,6 +167,17 @@ class GroupKeeper:
             self.abort()
             self.base_store = self.agent_store = None  # (its connection may be shut down)
             raise
+
+    def positions(self) -> tuple:
+        """This rank's place in each group's collectives (:func:`nbddp.worker_seq.positions`),
+        or none while the group is formed or aborted: the backend's count is read with the
+        GIL released, so never while the main thread aborts the group."""
+        if self.joining or not self._abort_lock.acquire(blocking=False):
+            return ()
+        try:
+            return positions()
+        finally:
+            self._abort_lock.release()
 
     def abort(self) -> None:
         """Abort the default group, once however many threads ask at the same time:
