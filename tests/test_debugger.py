@@ -66,7 +66,7 @@ def test_breakpoint_in_rank_1_of_3_takes_commands_from_the_input_box(kernel):
     km, kc = kernel
     assert execute(kc, "%load_ext nbddp").error is None
     code = (
-        "%%ddp -n 3 --text\n"
+        "%%ddp -n 3 --text --no-fold\n"
         "x = rank * 10\n"
         "if rank == 1:\n"
         "    breakpoint()\n"

@@ -172,12 +172,12 @@ class Dashboard:
             if len(self.log) == self.log.maxlen:
                 self.dropped += 1
             self.log.append(group)
-            for rank in group.ranks:
+            for i, rank in enumerate(group.ranks):
                 view = self.views.get(rank)
                 if view is not None:
                     view.lines.append(group)
                     view.count += 1
-                    view.last = group.text
+                    view.last = group.line_at(i)  # its own line, not the folded one
             self._log_dirty = True
 
     # -- rendering

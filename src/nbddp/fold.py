@@ -97,6 +97,10 @@ class Group:
             line += [value, piece]
         return "".join(line)
 
+    def line_at(self, i: int) -> str:
+        """The own line of the ``i``-th rank of ``ranks`` (a rank's row shows its own)."""
+        return self.text if len(self.ranks) < 2 or not self.values else self._own(i)
+
     def line_of(self, rank: int) -> str:
         """``rank``'s own line (the folded line if it did not print this one)."""
         if len(self.ranks) < 2 or rank not in self.ranks:
