@@ -65,6 +65,28 @@ def test_ranks_in_different_calls_at_one_place_are_a_deadlock_once_it_lasts():
     assert judge(elsewhere, {}, 2, {}, 9.0, 0.3) is None
 
 
+def test_the_same_call_with_different_sizes_or_dtypes_is_a_deadlock_once_it_lasts():
+    def seen(shape, since=1.0):
+        return Seen(_in("all_reduce", 2), (("0", (), 1, False),), 2.0, since, "0", shape)
+
+    running = {r: seen((1 + r, "float32")) for r in range(3)}
+    assert judge(running, {}, 3, {}, 1.2, 0.3) is None  # not settled yet
+    found = judge(running, {}, 3, {}, 1.5, 0.3)
+    assert found.message == (
+        "deadlock: ranks disagree on all_reduce #1: rank 0 1 float32 element, rank 1 2, "
+        "rank 2 3 (cell line 2)"
+    )
+    dtypes = {0: seen((2, "float32")), 1: seen((2, "float64")), 2: seen((2, "float64"))}
+    assert judge(dtypes, {}, 3, {}, 1.5, 0.3).message == (
+        "deadlock: ranks disagree on all_reduce #1: rank 0 2 float32 elements, "
+        "ranks 1, 2 2 float64 (cell line 2)"
+    )
+    same = {r: seen((4, "float32")) for r in range(3)}
+    assert judge(same, {}, 3, {}, 9.0, 0.3) is None  # a slow collective
+    unknown = {0: seen(None), 1: seen((2, "float32"))}  # a call whose sizes may differ
+    assert judge(unknown, {}, 2, {}, 9.0, 0.3) is None
+
+
 def test_the_supervisor_asks_the_finished_rank_and_aborts_once_sure():
     sup = CellSupervisor(1, [0, 1], 100.0)
     sup.done(1, "ok", 100.0)
@@ -96,7 +118,7 @@ SETUP = (
     "model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))\n"
     "x = torch.randn(8, 4)\n"
 )
-CELLS_BIND = {"_g"}  # the names the patterns bind (a subgroup: all ranks make it)
+CELLS_BIND = {"_g", "t"}  # the names the patterns bind (a subgroup: all ranks make it)
 
 
 def _patterns(n: int) -> list[tuple[str, list[int] | None, str]]:
@@ -121,6 +143,9 @@ def _patterns(n: int) -> list[tuple[str, list[int] | None, str]]:
          "    dist.all_reduce(torch.ones(2), group=_g)\n", None,
          r"deadlock: rank 0 waits in all_reduce #1 \(cell line 3\) of group \d+ "
          r"\(ranks 0, 1\); rank 1 finished the cell after 0 collectives"),
+        ("t = torch.ones(1 + rank)\ndist.all_reduce(t)\n", None,
+         r"deadlock: ranks disagree on all_reduce #\d+: (rank 0 1 float32 element, rank 1 2"
+         r"|rank 1 2 float32 elements)(, rank \d \d)* \(cell line 2\)"),
         ("dist.all_reduce(torch.ones(2))\n", list(range(n - 1)),
          rf"deadlock: {rank_set(list(range(n - 1)))} waits? in all_reduce #\d+ "
          rf"\(cell line 1\); rank {last} did not run the cell \(--ranks\), at \d+ collectives"),

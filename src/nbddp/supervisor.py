@@ -241,13 +241,15 @@ class CellSupervisor:
 
     def positions(self, rank: int, frames: tuple[Frame, ...], groups: tuple, now: float) -> None:
         """A sample's ``groups``: (the cell its counts are final after, or None; its
-        nbddp.worker_seq positions)."""
-        after, places, on = (*groups, None)[:3] if len(groups) >= 2 else (None, (), None)
+        nbddp.worker_seq positions; the group its torch.distributed call is on; that
+        call's (elements, dtype), nbddp.worker_seq.call_shape)."""
+        said = (*groups, None, None)[:4] if len(groups) >= 2 else (None, (), None, None)
+        after, places, on, shape = said
         phase = self.phase.get(rank)
         if phase == "running":
             old = self.seen.get(rank)
             same = old is not None and old.groups == places and old.frames == frames
-            self.seen[rank] = Seen(frames, places, now, old.since if same else now, on)
+            self.seen[rank] = Seen(frames, places, now, old.since if same else now, on, shape)
         elif after is not None and (after == self.cell or phase is None):
             self.final.setdefault(rank, places)  # finished here (or not in the cell): final
         self._news = True
