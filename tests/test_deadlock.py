@@ -317,3 +317,42 @@ def test_256_simulated_ranks_finishing_apart_are_never_taken_for_one():
         pool.stop()
         for sim in sims:
             sim.wait(30)
+
+
+def test_the_text_sink_names_the_rank_behind_with_each_count():
+    import io
+
+    from nbddp import protocol as P
+    from nbddp.sinks import TextSink
+
+    now, out, err = [100.0], io.StringIO(), io.StringIO()
+    sink = TextSink(stdout=out, stderr=err, clock=lambda: now[0], window=0)
+    sink.handle(P.RankStates((0, 1, 2), "running"))
+    sink.handle(P.RankWhere(0, "all_reduce, cell line 3", "all_reduce", 98.0, 1208))
+    sink.handle(P.RankWhere(1, "all_reduce, cell line 3", "all_reduce", 98.0, 1208))
+    sink.handle(P.RankWhere(2, "cell line 2: loss.backward()", None, 99.0, 1190))
+    assert "behind" not in err.getvalue()  # (ranks sampled a moment apart differ)
+    now[0] += 2.0
+    sink.handle(P.RankWhere(2, "cell line 2: loss.backward()", None, 99.0, 1190))
+    sink.handle(P.RankWhere(0, "all_reduce, cell line 3", "all_reduce", 98.0, 1208))
+    sink.close(None)
+    assert err.getvalue() == (
+        "[nbddp] rank 2 behind: collective #1190 of #1208 (cell line 2: loss.backward()); "
+        "ranks 0, 1 waiting in all_reduce #1208 (4 s)\n"
+    )  # once, however many samples follow
+
+
+def test_ddp_stacks_says_each_ranks_count_and_who_was_behind(pool):
+    from nbddp import reports
+
+    code = "import time, torch, torch.distributed as dist\n"
+    assert pool.execute(code + "dist.barrier()") == [None, None]
+    idle = reports.stacks(pool)
+    assert re.search(r"collectives issued on the default group: ranks 0, 1 #\d+$", idle)
+    cell = "if rank == 1:\n    time.sleep(60)\ndist.all_reduce(torch.ones(1))\n"
+    _, _, end = collect(pool.run(cell, timeout=2.5))
+    assert end.interrupted
+    last = reports.stacks(pool).split("interrupted or timed out:")[1]
+    n = re.search(r"rank 0 #(\d+)", last)
+    assert n, last
+    assert f"rank 1 #{int(n[1]) - 1} (behind)" in last, last

@@ -209,6 +209,8 @@ class Cell:
             yield from recovery.reform(pool, sup, out, quiet=True)  # the cell destroyed it
         if sup.stacks_at_interrupt:
             pool.last_stacks = dict(sup.stacks_at_interrupt)
+            places = sup.places_at_interrupt.items()
+            pool.last_counts = {r: world_count((None, g)) for r, g in places}
         end = out.end(sup, notes + pool.take_notes(), kept=not pool.needs_restart)
         if not end.interrupted:  # a rank a peer's failure broke shows as freed, not red
             _, consequences = root_causes(failures_of(end))

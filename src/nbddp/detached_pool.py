@@ -285,8 +285,8 @@ class DetachedPool(PoolCalls):
     def status(self, timeout: float = 2.0):
         return self._call("status", timeout)
 
-    def stacks(self, timeout: float = 2.0):
-        return self._call("stacks", timeout)
+    def stacks(self, timeout: float = 2.0, counts: bool = False):
+        return self._call("stacks", timeout, counts)
 
     def copy(self, names, src, dst=None):
         return self._call("copy", names, src, dst)

@@ -113,6 +113,7 @@ class Pool(PoolLife, PoolCalls):
         self.state = "new"
         self.notes: list[str] = []  # said once, with the next cell
         self.last_stacks: dict[int, tuple] = {}  # where the ranks were at the last interrupt
+        self.last_counts: dict[int, int] = {}  # and their collective counts (default group)
         self.requests = Requests()  # interrupts, from any thread
         self.address = ""
         self.listener: Listener | None = None
@@ -300,9 +301,10 @@ class Pool(PoolLife, PoolCalls):
         """One row per rank: pid, host, device, state, uptime, resident memory."""
         return queries.status(self, timeout)
 
-    def stacks(self, timeout: float = 2.0) -> dict[int, tuple]:
-        """Where each rank's main thread is now (between cells: empty, they are idle)."""
-        return queries.stacks(self, timeout)
+    def stacks(self, timeout: float = 2.0, counts: bool = False) -> dict[int, tuple]:
+        """Where each rank's main thread is now (between cells: empty, they are idle);
+        with ``counts``, (frames, its collective count on the default group) each."""
+        return queries.stacks(self, timeout, counts)
 
     def copy(self, names: list[str], src: int, dst: list[int] | None = None) -> copying.Copied:
         """Bind rank ``src``'s ``names`` on ``dst`` (all others): :mod:`nbddp.copying`."""

@@ -130,6 +130,7 @@ class CellSupervisor:
     died_at: float | None = field(init=False, default=None)  # the first death
     where: dict[int, _Where] = field(init=False, default_factory=dict)
     stacks_at_interrupt: dict[int, tuple[Frame, ...]] = field(init=False, default_factory=dict)
+    places_at_interrupt: dict[int, tuple] = field(init=False, default_factory=dict)  # counts
     status: dict[int, str] = field(init=False, default_factory=dict)  # from each Done
     seen: dict[int, Seen] = field(init=False, default_factory=dict)  # running ranks' places
     final: dict[int, tuple] = field(init=False, default_factory=dict)  # finished ranks' counts
@@ -247,6 +248,8 @@ class CellSupervisor:
         after, places, on, shape = said
         phase = self.phase.get(rank)
         if phase == "running":
+            if self.interrupt_at is not None and places:  # (none while the group aborts)
+                self.places_at_interrupt.setdefault(rank, places)
             old = self.seen.get(rank)
             same = old is not None and old.groups == places and old.frames == frames
             self.seen[rank] = Seen(frames, places, now, old.since if same else now, on, shape)
