@@ -139,17 +139,22 @@ def _patterns(n: int) -> list[tuple[str, list[int] | None, str]]:
          "    dist.all_reduce(torch.ones(2))\n", None,
          rf"deadlock: ranks disagree on collective #\d+: rank 0 broadcast \(line 2\), "
          rf"{rank_set(not0)} all_reduce \(line 4\)"),
+        ("t = torch.ones(1 + rank)\ndist.all_reduce(t)\n", None,
+         r"deadlock: ranks disagree on all_reduce #\d+: (rank 0 1 float32 element, rank 1 2"
+         r"|rank 1 2 float32 elements)(, rank \d \d)* \(cell line 2\)"),
         ("_g = dist.new_group([0, 1])\nif rank == 0:\n"
          "    dist.all_reduce(torch.ones(2), group=_g)\n", None,
          r"deadlock: rank 0 waits in all_reduce #1 \(cell line 3\) of group \d+ "
          r"\(ranks 0, 1\); rank 1 finished the cell after 0 collectives"),
-        ("t = torch.ones(1 + rank)\ndist.all_reduce(t)\n", None,
-         r"deadlock: ranks disagree on all_reduce #\d+: (rank 0 1 float32 element, rank 1 2"
-         r"|rank 1 2 float32 elements)(, rank \d \d)* \(cell line 2\)"),
         ("dist.all_reduce(torch.ones(2))\n", list(range(n - 1)),
          rf"deadlock: {rank_set(list(range(n - 1)))} waits? in all_reduce #\d+ "
          rf"\(cell line 1\); rank {last} did not run the cell \(--ranks\), at \d+ collectives"),
     ]  # fmt: skip
+
+
+def _unbound(digests: list[dict]) -> list[dict]:
+    """Each rank's digests less the names the patterns bind."""
+    return [{k: v for k, v in d.items() if k not in CELLS_BIND} for d in digests]
 
 
 def _deadlocked(pool, code: str, ranks=None) -> CellDeadlocked:
@@ -163,15 +168,14 @@ def test_each_pattern_ends_by_itself_named_and_every_namespace_is_kept(pool_of_s
     pool = healthy(pool_of_size)
     n = pool.world_size
     pool.execute(SETUP)
-    before, pids = namespace_digests(pool), list(pool.pids)
+    before, pids = _unbound(namespace_digests(pool)), list(pool.pids)
     for code, ranks, pattern in _patterns(n):
         error = _deadlocked(pool, code, ranks)
         first = str(error).splitlines()[0]
         assert re.fullmatch(pattern, first), (code, str(error))
         assert "re-formed" in str(error)
         assert "kept its namespace" in str(error)
-    after = [{k: v for k, v in d.items() if k not in CELLS_BIND} for d in namespace_digests(pool)]
-    assert after == before
+    assert _unbound(namespace_digests(pool)) == before
     assert pool.pids == pids  # no process was replaced, the pool never restarted
     assert pool.execute("dist.all_reduce(t := torch.ones(1)) or int(t)") == [n] * n
 
@@ -245,29 +249,42 @@ def test_a_soak_of_mixed_cells_with_random_delays_never_aborts(pool_of_size):
         assert not end.notes, (i, code, end.notes)
 
 
+KERNEL_PATTERNS = 5  # the issue's five: DDP forward, skip, barrier, broadcast, shapes
+
+
 @pytest.mark.kernel
-@pytest.mark.parametrize("n", [3, 8])
-def test_through_a_kernel_the_deadlock_is_the_first_thing_the_cell_shows(kernel, n):
+@pytest.mark.timeout(900)
+def test_through_a_kernel_each_pattern_at_each_size_shows_the_deadlock_first(kernel):
+    """One kernel, the pool resized 2 -> 3 -> 4 -> 8: at each size each of the issue's
+    patterns ends by itself, the deadlock is the first thing the cell shows, naming the
+    ranks, the collective and the line, and every rank's namespace digest is unchanged."""
+    import ast
+
+    from helpers import NAMESPACE_DIGEST
     from test_kernel import execute, pool_pids
 
     _, kc = kernel
     execute(kc, "%load_ext nbddp")
-    r = execute(kc, f"%%ddp -n {n} --text\n{SETUP}kept = rank + 10", timeout=120)
-    assert r.error is None, r.text
-    pids = pool_pids(kc)
-    for code, head in [  # (the DDP model first: a re-form leaves it stale)
-        ("if rank == 0:\n    model(x)", "deadlock: rank 0 waits in collective #"),
-        ("if rank != 1:\n    dist.all_reduce(torch.ones(2))",
-         f"deadlock: {rank_set([0, *range(2, n)])} wait in all_reduce #"),
-    ]:  # fmt: skip
-        r = execute(kc, f"%%ddp --text --no-auto\n{code}", timeout=60)
-        assert r.error["ename"] == "CellDeadlocked", r.text
-        assert r.error["evalue"].startswith(head), r.error["evalue"]
-        assert r.stdout == "", r.stdout  # nothing before the error
-    r = execute(kc, "%%ddp --text --no-fold\nprint('kept', kept)")
-    assert r.error is None
-    assert all(f"[rank {i}] kept {i + 10}" in r.stdout for i in range(n))
-    assert pool_pids(kc) == pids
+    digests = (
+        "from nbddp.magics import _MAGICS\n"
+        f"print(next(iter(_MAGICS.values())).pool.execute({NAMESPACE_DIGEST!r}))"
+    )
+    for n in (2, 3, 4, 8):
+        r = execute(kc, f"%%ddp -n {n} --text\n{SETUP}kept = rank + 10", timeout=180)
+        assert r.error is None, r.text
+        pids, before = pool_pids(kc), ast.literal_eval(execute(kc, digests).stdout)
+        for code, _, pattern in _patterns(n)[:KERNEL_PATTERNS]:  # (the DDP model first)
+            r = execute(kc, f"%%ddp --text --no-auto\n{code}", timeout=90)
+            assert r.error is not None, (n, r.text)
+            assert r.error["ename"] == "CellDeadlocked", (n, r.text)
+            shifted = re.sub(r"line (\d)", lambda m: f"line {int(m[1]) + 1}", pattern)
+            first = r.error["evalue"].splitlines()[0]  # (line 1 is the %%ddp line)
+            assert re.fullmatch(shifted, first), r.error["evalue"]
+            shown = [k for k in r.kinds if k not in ("status", "execute_input")]
+            assert shown[0] == "error", (n, code, shown, r.text)  # nothing before it
+        after = ast.literal_eval(execute(kc, digests).stdout)
+        assert _unbound(after) == _unbound(before)
+        assert pool_pids(kc) == pids
     execute(kc, "%ddp stop")
 
 
