@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from bench_step import in_pool, under_torchrun
+from bench_step import in_pool, script_args, under_torchrun
 
 SETUP = (
     "import time, torch, torch.distributed as dist\n"
@@ -113,15 +113,16 @@ def costs(repeat: int, steps: int) -> dict:
     with Pool(4) as four, Pool(2) as two:
         for pool in (four, two):
             pool.execute("1")
-        in_pool(two, 10, False)
+        args = script_args(steps, "cpu", "gloo")
+        in_pool(two, script_args(10, "cpu", "gloo"), False)
         runs: dict = {k: {"on": [], "off": []} for k in out}
         torchrun = []
         for _ in range(repeat):  # interleaved, so drift hits every column alike
             for mode in ("on", "off"):
                 os.environ["NBDDP_DEADLOCKS"] = "1" if mode == "on" else "0"
                 runs["trivial ms, 4 ranks"][mode].append(_trivial(four, 200))
-                runs["DDP step ms, 2 ranks"][mode].append(in_pool(two, steps, False))
-            torchrun.append(under_torchrun(2, steps))
+                runs["DDP step ms, 2 ranks"][mode].append(in_pool(two, args, False))
+            torchrun.append(under_torchrun(2, args))
         os.environ.pop("NBDDP_DEADLOCKS")
     for key, modes in runs.items():
         out[key] = {m: statistics.median(v) for m, v in modes.items()}

@@ -219,6 +219,53 @@ def test_slow_ranks_slow_collectives_and_subgroups_are_never_taken_for_one(pool_
     assert not end.notes
 
 
+# ranks waiting for a slow one, a finished member-less rank, a subgroup: in any setting
+SLOW = """
+import time, torch, torch.distributed as dist
+t = torch.ones(2)
+if rank == 0:
+    time.sleep(1.5)
+dist.all_reduce(t)
+_evens = dist.new_group(list(range(0, world_size, 2)))
+if rank % 2 == 0:  # the odd ranks finish while the evens wait for rank 0
+    if rank == 0:
+        time.sleep(1.5)
+    dist.all_reduce(t, group=_evens)
+"""
+
+
+def no_alarm(end) -> None:
+    """The cell ended well: no deadlock, no abort, no note."""
+    raise_for_end(end)
+    assert not end.deadlock
+    assert not end.notes
+
+
+def test_a_ranks_subset_waiting_for_a_slow_member_is_never_taken_for_one(pool_of_size):
+    """``--ranks``: all but the last run; they wait 1.5 s for rank 0 in a subgroup of
+    their own while the last rank is idle."""
+    pool = healthy(pool_of_size)
+    n = pool.world_size
+    head = "import time, torch, torch.distributed as dist\n"
+    pool.execute(head + f"_sub = dist.new_group({list(range(n - 1))})")
+    cell = "if rank == 0:\n    time.sleep(1.5)\ndist.all_reduce(torch.ones(2), group=_sub)\n"
+    _, _, end = collect(pool.run(cell, ranks=list(range(n - 1))))
+    no_alarm(end)
+
+
+def test_a_ddp_run_script_with_slow_ranks_is_never_taken_for_one(pool, tmp_path):
+    """``%ddp run``: a torchrun script (its own init and destroy) whose ranks finish apart."""
+    script = tmp_path / "slow.py"
+    body = SLOW.replace("rank", "dist.get_rank()").replace("world_size", "dist.get_world_size()")
+    script.write_text(
+        "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+        + body
+        + "dist.destroy_process_group()\n"
+    )
+    _, _, end = collect(pool.run_script(str(script)))
+    no_alarm(end)
+
+
 def _soak_cell(rng: random.Random, n: int) -> str:
     """A mixed trivial cell: collectives, subgroups, sends, ranks finishing apart."""
     delay = f"time.sleep({rng.uniform(0, 0.02):.3f} * ((rank + {rng.randrange(n)}) % {n}))\n"
