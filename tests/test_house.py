@@ -21,7 +21,7 @@ CORE = {
     "copying", "detached", "detached_client", "detached_wire", "pool_calls", "wire",
     "handshake", "private", "tls", "markers", "resizing", "healing", "deathnote",
     "carriers", "detached_folder", "detached_kernels", "detached_outbox", "detached_pool",
-    "gpus", "pool_life", "codec", "deadlock",
+    "gpus", "pool_life", "pool_repair", "codec", "deadlock",
 }  # fmt: skip
 FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",
