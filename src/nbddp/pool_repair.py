@@ -191,7 +191,7 @@ class PoolRepair:
         on the way; {rank: what it held} for the replaced ranks, or None when the pool had
         to be stopped (said in a note). Yields the output that came meanwhile."""
         try:
-            had = self.form_again(dead, recovery.REFORM_TIMEOUT)
+            had = self.form_again(dead)
         except PoolStartError as exc:
             self.lose()
             self._take_no_rank()
@@ -204,7 +204,10 @@ class PoolRepair:
         return had
 
     def form_again(
-        self: Pool, dead: list[int], timeout: float, new: tuple[int, ...] = ()
+        self: Pool,
+        dead: list[int],
+        timeout: float = recovery.REFORM_TIMEOUT,
+        new: tuple[int, ...] = (),
     ) -> dict[int, Dead]:
         """Every rank forms the group again (namespaces kept), a new process in place of
         each of ``dead`` and of each rank that dies meanwhile (then the survivors are freed

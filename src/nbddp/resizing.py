@@ -20,7 +20,6 @@ from .errors import NbddpError, PoolStartError
 from .gpus import gpu_notes
 from .layout import check_backend, check_layout, check_log_dir
 from .processes import enough_open_files
-from .recovery import REFORM_TIMEOUT
 from .stacks import rank_set
 
 __all__ = ["Resized", "can_resize", "held", "resize"]
@@ -127,7 +126,7 @@ def resize(pool, n: int) -> Resized:
     enough_open_files(len(new))
     pool.state = "starting"
     try:
-        pool.form_again([], REFORM_TIMEOUT, new)
+        pool.form_again([], new=new)
     except (PoolStartError, KeyboardInterrupt) as exc:
         pool.lose()
         raise PoolStartError(
