@@ -117,7 +117,8 @@ def test_an_attached_detached_pool_outlives_a_kernel_restart_and_a_crash(
             # a rank that dies while detached: its holder's new process takes its place
             kept = digest(k)
             r = execute(k, "%%ddp --text\nif rank == 1:\n    import os; os._exit(7)")
-            assert "rank 1: a new process took its place" in r.text, r.text
+            assert r.error is not None, r.text  # (a death fails the cell: CellFailed)
+            assert "rank 1: a new process took its place" in r.error["evalue"], r.error
             again = digest(k)
             assert [kept[r_] for r_ in range(n) if r_ != 1] == [
                 again[r_] for r_ in range(n) if r_ != 1
