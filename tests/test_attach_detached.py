@@ -97,6 +97,9 @@ def test_an_attached_detached_pool_outlives_a_kernel_restart_and_a_crash(
             assert f"connected to the detached pool {name} ({n} ranks)" in connected(k, name)
             assert digest(k) == before
             assert f"sum {n * (n + 1) // 2:.1f}" in sums(k, n)
+            listed = execute(k, "%ddp list").stdout  # (its ranks' memory is on their hosts)
+            assert name in listed, listed
+            assert "elsewhere" in listed, listed
 
             killed_in(km, k, LAST, n)  # a kernel crash, mid-cell: the cell runs on
             _, k = kernels()
