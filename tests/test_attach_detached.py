@@ -14,15 +14,15 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
 
 from helpers import detached_family, end_all, free_port, wait_gone
-from nbddp import remote
+from nbddp import relay, remote
 from test_detached_kernel import BUILD, LAST, digest, killed_in, notebook_value
 from test_kernel import execute, kernels, restarted  # noqa: F401
-from test_relay import relay_folders
 
 pytestmark = pytest.mark.kernel
 
@@ -150,16 +150,24 @@ def test_an_attached_pool_of_a_crashed_kernel_ends_every_process_it_had(kernels,
     n, port = 2, free_port()
     km, k = kernels()
     assert execute(k, "%load_ext nbddp").error is None
-    relays_before = relay_folders()
     proc, token_file = torchrun(tmp_path, n, port)
     try:
         attach(k, n, port, token_file)
         assert execute(k, "%%ddp --text\nx = rank").error is None
-        family = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        family = psutil.Process(proc.pid).children(recursive=True)
+        holder = next(p for p in family if "nbddp.worker" in p.cmdline())
+        token = remote.read_or_create_token(token_file)
+        relay_folder = os.path.dirname(
+            relay.socket_path(f"127.0.0.1:{port}", token, holder.environ())
+        )
+        assert os.path.isdir(relay_folder)
         os.kill(km.provisioner.process.pid, signal.SIGKILL)
         assert proc.wait(90) != 0  # torchrun ended: its workers did
-        assert wait_gone(family) == []
-        assert relay_folders() <= relays_before
+        assert wait_gone([proc.pid, *(p.pid for p in family)]) == []
+        deadline = time.monotonic() + 30  # (the relay removes it as it ends)
+        while os.path.exists(relay_folder) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(relay_folder)
         log = (tmp_path / "node.log").read_text()
         for rank in range(n):  # each holder's new process says why it ends, in one line
             assert (
