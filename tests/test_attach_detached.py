@@ -176,3 +176,32 @@ def test_an_attached_pool_of_a_crashed_kernel_ends_every_process_it_had(kernels,
             ), log
     finally:
         end_all([proc])
+
+
+def test_a_detached_attach_given_up_or_timed_out_leaves_nothing(tmp_path, monkeypatch):
+    """No rank comes: Ctrl-C in the kernel while it waits (here: its watch raises it) ends
+    the supervisor, and so does --timeout, said in one line; no process or folder is left."""
+    from nbddp import detached_client
+    from nbddp import detached_wire as W
+    from nbddp.errors import PoolStartError
+
+    monkeypatch.setenv("NBDDP_HOME", str(tmp_path / "h"))
+    token_file = str(tmp_path / "token")
+    seen: dict[str, psutil.Process] = {}
+
+    def ctrl_c(folder: str) -> None:
+        if os.path.exists(os.path.join(folder, W.ADDRESS)):  # it listens: the kernel gives up
+            (seen["supervisor"],) = [
+                p for p in psutil.Process().children() if "nbddp.detached" in p.cmdline()
+            ]
+            raise KeyboardInterrupt
+
+    attach = {"token_file": token_file, "tls": False}
+    options = dict(attach=attach, listen=("127.0.0.1", 0))
+    with pytest.raises(KeyboardInterrupt):
+        detached_client.start("gu", 2, start_timeout=60, watch=ctrl_c, **options)
+    assert wait_gone([seen["supervisor"].pid]) == []
+    assert not os.path.exists(W.folder_of("gu"))
+    with pytest.raises(PoolStartError, match=r"did not start: ranks \[0, 1\] did not start"):
+        detached_client.start("to", 2, start_timeout=1, **options)
+    assert not os.path.exists(W.folder_of("to"))
