@@ -1,7 +1,9 @@
 // nbddp's live dashboard (an anywidget view): the header and the rank rows come from the
 // kernel as HTML (the same HTML a finished cell keeps), the metric charts as inline SVG (a
 // finished cell keeps the same SVG, as images); the folded log is drawn here, for
-// every rank or for one, picked in the list or by clicking a row.
+// every rank or for one, picked in the list or by clicking a row. A folded line's values
+// (each rank's) show when it is pointed at, and below it when it is clicked; the tqdm
+// bars running now come last, one per description, folded.
 
 function ranges(set) {
   // "0-3,5" -> [[0, 3], [5, 5]]
@@ -38,6 +40,7 @@ function render({ model, el }) {
   el.append(root);
 
   let shown = null; // the rank whose lines the log shows; null: every rank, folded
+  const opened = new Set(); // the folded lines whose values show below them (clicked)
 
   const drawChoices = () => {
     const options = [new Option("all ranks", "")];
@@ -55,14 +58,23 @@ function render({ model, el }) {
   const drawLog = () => {
     const atEnd = pane.scrollHeight - pane.scrollTop - pane.clientHeight < 8;
     const lines = document.createDocumentFragment();
-    for (const [ranks, stream, text, values] of model.get("lines")) {
+    const bars = model.get("bars").map((bar) => [...bar, true]);
+    for (const [ranks, stream, text, values, live] of [...model.get("lines"), ...bars]) {
       if (shown !== null && !holds(ranks, shown)) continue;
       const line = document.createElement("span");
       line.className = values ? "nbddp-line nbddp-folded" : "nbddp-line";
-      if (values) line.title = values; // each rank's numbers, the extremes named first
+      if (live) line.classList.add("nbddp-bar-live");
       if (stream === "stderr") line.classList.add("nbddp-stderr"); // coloured by _css
       line.textContent = `${shown === null ? `[${ranks}] ` : ""}${text}\n`;
       lines.append(line);
+      if (!values) continue;
+      line.title = values; // each rank's numbers, the extremes named first
+      line.dataset.key = live ? "bar" : `${ranks}\n${text}`; // a bar's text changes
+      if (!opened.has(line.dataset.key)) continue;
+      const each = document.createElement("span");
+      each.className = "nbddp-values";
+      each.textContent = values.replace(/^/gm, "    ") + "\n";
+      lines.append(each);
     }
     pre.replaceChildren(lines);
     const hidden = model.get("hidden");
@@ -82,6 +94,13 @@ function render({ model, el }) {
   };
 
   choose.addEventListener("change", () => show(choose.value === "" ? null : Number(choose.value)));
+  pre.addEventListener("click", (event) => {
+    const line = event.target.closest(".nbddp-folded");
+    if (!line) return;
+    const key = line.dataset.key;
+    if (!opened.delete(key)) opened.add(key);
+    drawLog();
+  });
   rows.addEventListener("click", (event) => {
     const row = event.target.closest("[data-rank]");
     if (row) show(Number(row.dataset.rank));
@@ -93,6 +112,7 @@ function render({ model, el }) {
     ["change:charts", drawCharts],
     ["change:lines", drawLog],
     ["change:hidden", drawLog],
+    ["change:bars", drawLog],
     ["change:focus", focus],
   ];
   for (const [name, handler] of handlers) model.on(name, handler);
