@@ -196,7 +196,8 @@ def test_running_tqdm_bars_fold_live_into_the_slowest_ranks_and_finish_as_one_li
         f.clock = lambda rank=rank: 100.0 + rank
         out += f.output(P.Output(rank, "stderr", bar_chunk(10, end="\n")))
         if rank < n - 1:
-            assert out == [] and f.bars()[0].ranks == list(range(n))
+            assert out == []
+            assert f.bars()[0].ranks == list(range(n))
     assert lines(out) == [(f"ranks 0-{n - 1}", bar_chunk(10)[1:])]
     assert f.bars() == []
     f = Folder(range(n), window=0)  # --no-fold: each rank's bar

@@ -1,8 +1,9 @@
 """``nbddp.progress`` of many ranks as one bar: the slowest rank's position, named, and
 how far the others got. The dashboard draws it (:mod:`nbddp.dashboard_html`); the text
 sink says it as a line (:class:`ProgressLines`) when the slowest rank's whole percent
-moves, at most every ``every`` seconds, and once at the end, so a plain-text stream
-gets a few lines a bar, not one per step."""
+moved, at most every ``every`` seconds (the first ``every`` seconds after the bar began,
+when every rank has said where it is), and once at the end: a plain-text stream gets a
+few lines a bar, not one per step."""
 
 from __future__ import annotations
 
@@ -51,9 +52,9 @@ class ProgressLines:
     def take(self, event: P.RankProgress) -> str | None:
         """A rank's new position; the bar's line if it moved a whole percent (a count with
         no total: moved at all) and the last line is ``every`` seconds old, or it ended."""
-        bar = -1 if self.fold else event.rank
+        bar, now = -1 if self.fold else event.rank, self.clock()
         self._bars.setdefault(bar, {})[event.rank] = event
-        now, (when, said) = self.clock(), self._said.get(bar, (float("-inf"), -1))
+        when, said = self._said.setdefault(bar, (now, -1))  # the first: once the others came
         state = self._state(bar)
         done = all(p.total and p.done >= p.total for p in self._bars[bar].values())
         if state == said or (now - when < self.every and not done):
