@@ -31,8 +31,7 @@ def progress_text(progress: dict[int, P.RankProgress]) -> str:
     label = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_set(ranks)}"
     desc = f"{slow.desc} " if slow.desc else ""
     count = f"{slow.done}/{slow.total} ({_percent(slow)}%)" if slow.total else f"{slow.done}"
-    spread = f"; the others up to {fast}" if fast != slow.done else ""
-    named = f"  (slowest: rank {rank}{spread})" if len(ranks) > 1 else ""
+    named = f"  (slowest: rank {rank}; the others up to {fast})" if fast != slow.done else ""
     return f"[{label}] {desc}{count}{named}"
 
 
