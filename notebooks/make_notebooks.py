@@ -613,6 +613,7 @@ FOLDED = [
         "    print(f'epoch {epoch} finished')\n"
         "for i in tqdm(range(20), desc='eval', ncols=70):\n"
         "    time.sleep(0.01 * (1 + rank))  # rank 3 is the slowest\n"
+        "torch.distributed.barrier()  # the ranks meet again\n"
         "print('training done')"
     ),
     new_markdown_cell(
@@ -630,6 +631,7 @@ FOLDED = [
         "    time.sleep(0.01 * (1 + rank))\n"
         "for step in nbddp.progress(range(40 + 4 * rank), desc='steps'):\n"
         "    time.sleep(0.005)\n"
+        "torch.distributed.barrier()\n"
         "print(f'rank {rank} took {40 + 4 * rank} steps')\n"
         "print('steps done')"
     ),

@@ -265,10 +265,10 @@ CELLS_SHOWCASE = [
     "        s = epoch * 100 + step\n"
     "        loss = (1 + 0.1 * rank) * math.exp(-s / 70) + 0.03 * math.sin(s / 5 + 2 * rank)\n"
     "        nbddp.log_metrics({'loss': loss + 0.05}, step=s)\n"
-    "        time.sleep(0.012 * (1 + 0.4 * rank))  # rank 3 is the slowest\n"
-    "    print(f'rank {rank} epoch {epoch} loss {loss + 0.05:.4f}')\n"
+    "        time.sleep(0.02 * (1 + 0.5 * rank))  # rank 3 is the slowest\n"
     "    mean = torch.tensor([loss])\n"
-    "    dist.all_reduce(mean)\n"
+    "    dist.all_reduce(mean)  # the ranks meet at the end of each epoch\n"
+    "    print(f'rank {rank} epoch {epoch} loss {loss + 0.05:.4f}')\n"
     "    print(f'epoch {epoch}: mean loss {mean.item() / world_size:.4f}')\n"
     "print('checkpoint saved')",
 ]

@@ -438,6 +438,10 @@ def test_nbddp_progress_of_ranks_at_different_speeds_folds_into_one_bar(n):
     assert "width:45%" in rows
     assert f"({n} ranks; slowest: rank 1; the others up to 60)" in rows
     assert "train 45/100" in rows
+    for rank in range(n):  # every rank at its end, the totals apart: all done, no slowest
+        d.handle(P.RankProgress(rank, 40 + rank, 40 + rank, "train"))
+    d._render(force=True)
+    assert f"({n} ranks; all done)" in d.widget.rows
     d.close(None)
 
 
@@ -489,6 +493,12 @@ def test_text_says_nbddp_progress_folded_at_a_bounded_rate_and_where_it_ended():
             line,
         ), said
     assert said[-1] == "[ranks 0-1] train 150/300 (50%)  (slowest: rank 1; the others up to 300)"
+    sink, out, _ = make(clock=clock)  # every rank at its end (totals apart): no slowest
+    running(sink, range(2))
+    for rank in range(2):
+        sink.handle(P.RankProgress(rank, 40 + rank, 40 + rank, "steps"))
+    sink.close(P.CellEnd(1, (0, 1)))
+    assert out.getvalue().splitlines() == ["[ranks 0-1] steps 40/40 (100%)"]
     sink, out, _ = make(clock=clock, fold=False)
     for rank in range(2):
         sink.handle(P.RankProgress(rank, 10, 10, "train"))

@@ -35,7 +35,10 @@ function render({ model, el }) {
   note.className = "nbddp-dropped";
   const pre = document.createElement("pre");
   pre.style.cssText = "margin:0;white-space:pre-wrap";
-  pane.append(note, pre);
+  const barsPre = document.createElement("pre"); // the bars running now, below the lines
+  barsPre.className = "nbddp-bars";
+  barsPre.style.cssText = "margin:0;white-space:pre-wrap";
+  pane.append(note, pre, barsPre);
   root.append(header, rows, charts, controls, pane);
   el.append(root);
 
@@ -55,11 +58,11 @@ function render({ model, el }) {
   const drawCharts = () => {
     charts.innerHTML = model.get("charts");
   };
-  const drawLog = () => {
-    const atEnd = pane.scrollHeight - pane.scrollTop - pane.clientHeight < 8;
+  const drawLines = (target, rows, live) => {
+    // rows of [rank set, stream, text, values]: a folded line's values on hover, and
+    // below it once clicked
     const lines = document.createDocumentFragment();
-    const bars = model.get("bars").map((bar) => [...bar, true]);
-    for (const [ranks, stream, text, values, live] of [...model.get("lines"), ...bars]) {
+    for (const [ranks, stream, text, values] of rows) {
       if (shown !== null && !holds(ranks, shown)) continue;
       const line = document.createElement("span");
       line.className = values ? "nbddp-line nbddp-folded" : "nbddp-line";
@@ -76,12 +79,23 @@ function render({ model, el }) {
       each.textContent = values.replace(/^/gm, "    ") + "\n";
       lines.append(each);
     }
-    pre.replaceChildren(lines);
+    target.replaceChildren(lines);
+  };
+  const atEnd = () => pane.scrollHeight - pane.scrollTop - pane.clientHeight < 8;
+  const drawBars = () => {
+    const end = atEnd();
+    drawLines(barsPre, model.get("bars"), true);
+    if (end) pane.scrollTop = pane.scrollHeight;
+  };
+  const drawLog = () => {
+    const end = atEnd();
+    drawLines(pre, model.get("lines"), false);
+    drawLines(barsPre, model.get("bars"), true);
     const hidden = model.get("hidden");
     note.textContent = hidden
       ? `… ${hidden} earlier lines not shown (more show when the cell ends)`
       : "";
-    if (atEnd) pane.scrollTop = pane.scrollHeight;
+    if (end) pane.scrollTop = pane.scrollHeight;
   };
   const show = (rank) => {
     shown = rank;
@@ -94,7 +108,7 @@ function render({ model, el }) {
   };
 
   choose.addEventListener("change", () => show(choose.value === "" ? null : Number(choose.value)));
-  pre.addEventListener("click", (event) => {
+  pane.addEventListener("click", (event) => {
     const line = event.target.closest(".nbddp-folded");
     if (!line) return;
     const key = line.dataset.key;
@@ -112,7 +126,7 @@ function render({ model, el }) {
     ["change:charts", drawCharts],
     ["change:lines", drawLog],
     ["change:hidden", drawLog],
-    ["change:bars", drawLog],
+    ["change:bars", drawBars],
     ["change:focus", focus],
   ];
   for (const [name, handler] of handlers) model.on(name, handler);

@@ -11,7 +11,7 @@ from . import protocol as P
 from . import theme as T
 from .fold import Group, rank_set
 from .fold_shape import is_progress
-from .progress_fold import slowest_bar
+from .progress_fold import slowest_bar, spread
 
 __all__ = ["FAILED_STATES", "STATE_COLOURS", "RankView"]
 
@@ -106,10 +106,12 @@ def folded_progress_html(views: Views) -> str:
     if len(progress) < 2:
         return ""
     rank, slow, fast = slowest_bar(progress)
-    spread = f"; the others up to {fast}" if fast != slow.done else ""
+    where = f"slowest: rank {rank}" + (f"; the others up to {fast}" if spread(progress) else "")
+    if all(p.total and p.done >= p.total for p in progress.values()):
+        where = "all done"  # (their totals may differ)
     return (
         f"<div class='nbddp-progress-all'>{progress_html(slow)} "
-        f"<span style='color:#888'>({len(progress)} ranks; slowest: rank {rank}{spread})</span>"
+        f"<span style='color:#888'>({len(progress)} ranks; {where})</span>"
         "</div>"
     )
 

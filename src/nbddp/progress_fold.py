@@ -12,7 +12,7 @@ import time
 from . import protocol as P
 from .fold_shape import rank_set
 
-__all__ = ["ProgressLines", "slowest_bar"]
+__all__ = ["ProgressLines", "slowest_bar", "spread"]
 
 EVERY = 1.0  # seconds at least between two lines of one bar (text)
 
@@ -31,8 +31,15 @@ def progress_text(progress: dict[int, P.RankProgress]) -> str:
     label = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_set(ranks)}"
     desc = f"{slow.desc} " if slow.desc else ""
     count = f"{slow.done}/{slow.total} ({_percent(slow)}%)" if slow.total else f"{slow.done}"
-    named = f"  (slowest: rank {rank}; the others up to {fast})" if fast != slow.done else ""
+    named = f"  (slowest: rank {rank}; the others up to {fast})" if spread(progress) else ""
     return f"[{label}] {desc}{count}{named}"
+
+
+def spread(progress: dict[int, P.RankProgress]) -> bool:
+    """Are the ranks at different places? (Every rank at its end: not, whatever its total.)"""
+    if all(p.total and p.done >= p.total for p in progress.values()):
+        return False
+    return len({p.done for p in progress.values()}) > 1
 
 
 def _percent(p: P.RankProgress) -> int:
@@ -47,15 +54,19 @@ class ProgressLines:
         self.fold, self.every, self.clock = fold, every, clock
         self._bars: dict[int, dict[int, P.RankProgress]] = {}  # bar (-1: the folded one)
         self._said: dict[int, tuple[float, int]] = {}  # bar -> (when, the state it said)
+        self.ranks: set[int] = set()  # the ranks the cell runs (the sink adds them)
 
     def take(self, event: P.RankProgress) -> str | None:
         """A rank's new position; the bar's line if it moved a whole percent (a count with
         no total: moved at all) and the last line is ``every`` seconds old, or it ended."""
         bar, now = -1 if self.fold else event.rank, self.clock()
+        self.ranks.add(event.rank)
         self._bars.setdefault(bar, {})[event.rank] = event
         when, said = self._said.setdefault(bar, (now, -1))  # the first: once the others came
         state = self._state(bar)
-        done = all(p.total and p.done >= p.total for p in self._bars[bar].values())
+        done = len(self._bars[bar]) >= len(self.ranks) and all(
+            p.total and p.done >= p.total for p in self._bars[bar].values()
+        )  # every rank's bar at its end (of those the cell runs, once all are known)
         if state == said or (now - when < self.every and not done):
             return None
         self._said[bar] = (now, state)

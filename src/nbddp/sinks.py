@@ -105,6 +105,8 @@ class TextSink:
             for one in event.each():
                 self.handle(one)
         elif isinstance(event, P.RankState):
+            if event.state == "running":
+                self._bars.ranks.add(event.rank)
             self._take(self._fold.state(event))
         elif isinstance(event, P.RankResult) and event.value_repr is not None and not self.quiet:
             self._take(self._fold.result(event))
