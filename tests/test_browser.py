@@ -320,7 +320,7 @@ def test_a_training_cell_shows_one_folded_bar_and_a_folded_lines_values_a_click_
         folded.hover()
         assert "rank 1: 1 2 " in folded.get_attribute("title")
         expect(log).to_contain_text("[0-3] epoch 2: mean loss")
-        expect(log).to_contain_text(re.compile(r"\[0-3\] epoch 2: 100%\|#+\| 100/100"))
+        expect(log).to_contain_text(re.compile(r"\[0-3\] epoch 2: 100%\|[#█]+\| 100/100"))
         expect(log).to_contain_text("[0-3] checkpoint saved")
         loss_chart, root = frozen_chart(frozen, "loss")
         lines = svg_class(root, "nbddp-line")

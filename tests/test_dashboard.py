@@ -463,7 +463,10 @@ def test_running_tqdm_bars_show_once_in_the_log_and_each_row_its_position(n):
     assert values.splitlines()[:2] == ["rank 0: 4/10", "rank 1: 9/10"]
     assert "%|" not in d.widget.rows  # a row: its position
     assert d.widget.rows.count(">9/10</span>") == n - 1
-    for rank in range(n):
+    d.handle(P.Output(1, "stderr", bar.format(100, "#" * 10, 10) + "\n"))
+    d._render(force=True)  # its bar waits for rank 0's to fold; its row says where it is
+    assert "<span class='nbddp-progress'>10/10</span>" in d.widget.rows
+    for rank in (r for r in range(n) if r != 1):
         d.handle(P.Output(rank, "stderr", bar.format(100, "#" * 10, 10) + "\n"))
     clock.t = 2.0
     d._render(force=True)

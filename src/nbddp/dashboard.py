@@ -153,6 +153,10 @@ class Dashboard:
         if view is None:  # a rank outside the cell printed (a background thread)
             view = self.views[event.rank] = H.RankView(self.keep)
         self._take(self._fold.output(event))
+        end = event.text.rfind("\n")
+        if end >= 0:  # a bar that just ended: its row says so now, not once it folds
+            count = bar_count(Lines.settle(event.text[:end].rsplit("\n", 1)[-1]))
+            view.bar = count or view.bar
         current = self._fold.current(event.rank, event.stream)
         if current:
             self._own_line(view, current)
