@@ -6,7 +6,8 @@ items (or the supervisor's next deadline), hands each item to its handler
 (a table keyed by the item's type, then by the message's type), and carries
 out what the :class:`~nbddp.supervisor.CellSupervisor` says is due: stack
 samples, interrupts, an abort of the group, the last resort of stopping the
-pool (:mod:`nbddp.recovery`).
+pool. What a failure costs is decided by :mod:`nbddp.recovery` and carried out by the
+pool (:class:`~nbddp.pool_repair.PoolRepair`): the cell hands it what happened.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import time
 from dataclasses import dataclass
 
 from . import protocol as P
-from . import recovery
 from . import stacks as S
 from .deadlock import world_count
 from .errors import root_causes
@@ -152,7 +152,7 @@ class Cell:
             abort_after=pool.abort_after,
             grace=pool.grace,
             timeout=self.timeout,
-            replace_dead=recovery.can_replace(pool),
+            replace_dead=pool.can_replace(),
             others=tuple(r.rank for r in pool.roster.live() if r.rank not in self.runs),
             world=pool.world_size,
             detect=os.environ.get("NBDDP_DEADLOCKS", "1") != "0",
@@ -200,13 +200,7 @@ class Cell:
 
     def _after(self, notes: list[str]):
         pool, sup, out = self.pool, self.sup, self.out
-        died = sorted(r for r, x in out.exits.items() if not x.stopped_by_pool)
-        if not pool.needs_restart and died:
-            yield from recovery.replace(pool, died, out.code)
-        elif not pool.needs_restart and sup.aborted_at is not None:
-            yield from recovery.reform(pool, sup, out)
-        elif not pool.needs_restart and any(d.needs_group for d in out.done.values()):
-            yield from recovery.reform(pool, sup, out, quiet=True)  # the cell destroyed it
+        yield from pool.recover(sup, out)  # replace the dead, re-form the group
         if sup.stacks_at_interrupt:
             pool.last_stacks = dict(sup.stacks_at_interrupt)
         end = out.end(sup, notes + pool.take_notes(), kept=not pool.needs_restart)
@@ -257,7 +251,7 @@ class Cell:
                 live = [r.rank for r in pool.roster.live() if r.state != "starting"]
                 pool.send(live, P.AbortGroup(sup.cell))
             elif action.kind == "stop":
-                yield from recovery.stop_pool(pool, sup, self.out, action)
+                yield from pool.stop_all(self.out, action)
 
     # ------------------------------------------------------------ items
 
@@ -282,7 +276,7 @@ class Cell:
     def _gone(self, item: Gone):
         r = self.pool.roster[item.rank]
         if r.state != "dead":
-            yield from recovery.rank_died(self.pool, self.sup, self.out, r)
+            yield from self.pool.rank_died(self.sup, self.out, r)
 
     def _msg(self, item: Msg):
         handler = self._MESSAGES.get(type(item.msg))

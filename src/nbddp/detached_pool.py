@@ -46,7 +46,6 @@ class DetachedPool(PoolCalls):
     """A detached pool, as this kernel sees it."""
 
     detached = True
-    attached = False
 
     def __init__(self, conn: W.Link, welcome: W.Welcome) -> None:
         self.conn = conn
@@ -80,6 +79,7 @@ class DetachedPool(PoolCalls):
     pids = property(lambda self: self._state.pids)
     backend_in_use = property(lambda self: self._state.backend)
     last_stacks = property(lambda self: self._state.last_stacks)
+    attached = property(lambda self: self._state.attached)  # ranks torchrun started
 
     @property
     def resumed(self) -> bool:
