@@ -25,7 +25,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from . import healing
+from . import healing, hosts_lost
 from . import protocol as P
 from . import stacks as S
 from .deathnote import killer_hint, replaced_note
@@ -78,14 +78,10 @@ def can_replace(pool) -> bool:
     rank torchrun started is held: nbddp.worker_holder)."""
     if pool.on_death != "replace":
         return False
-    return not pool.attached or all(_renewable(r) for r in pool.roster.ranks.values())
-
-
-def _renewable(r) -> bool:
-    """An attached rank whose holder forks a new process, which can reach the notebook (a
-    host whose relay ended has lost its way there: the pool is stopped at once)."""
-    relay = r.link.relay
-    return r.renewable and (relay is None or not relay.ended)
+    # a rank whose host was lost comes back from a replacement host (nbddp.hosts_lost),
+    # unless that host held torchrun's store
+    held = all(r.renewable for r in pool.roster.ranks.values())
+    return not pool.attached or (held and not hosts_lost.store_lost(pool))
 
 
 def reform(pool, sup, out, quiet: bool = False):
@@ -143,6 +139,8 @@ def replace(pool, dead: list[int], code: str = ""):
     """New processes in place of the ``dead`` ranks, the group re-formed with all of them;
     every other rank keeps its namespace. The notes say what the dead ranks held (``code``:
     the cell's, which may have sent a SIGKILL itself)."""
+    if pool.attached and hosts_lost.defer(pool, dead):
+        return  # a lost host's ranks: the re-form waits for a replacement host
     t0 = time.monotonic()
     had = yield from _formed_again(pool, dead)
     if had is not None:
@@ -304,10 +302,13 @@ def rank_died(pool, sup, out, r):
 def _stop_note(pool, action) -> str:
     stuck = list(action.ranks)
     if action.reason == "death" and pool.attached:
-        return (
+        why = hosts_lost.why_not(pool) or (
             "the process group lost a member that cannot come back (a rank without a "
-            "holder, NBDDP_HOLD=0, or its host's relay ended), so the pool was stopped: "
-            "start torchrun again and attach again (the ranks' state is lost)"
+            "holder, NBDDP_HOLD=0)"
+        )
+        return (
+            f"{why}, so the pool was stopped: start torchrun again and attach again (the "
+            "ranks' state is lost)"
         )
     if action.reason == "death":
         return state_lost(
@@ -363,6 +364,7 @@ def _attached_lost(pool, gone: list[int]) -> None:
         RankDied(rank, pool.exit_code(table[rank]), table[rank].host).summary for rank in gone
     )
     closed, pool.hub.closed = pool.hub.closed, []
+    closed += [w for w in [hosts_lost.why_not(pool)] if w]
     why = f" ({'; '.join(closed)})" if closed else ""
     pool.lose()
     _take_no_rank(pool)
@@ -390,7 +392,7 @@ def ready_for_a_cell(pool) -> None:
     or an attached one that lost a rank (torchrun started those ranks, not us)."""
     if pool.state == "closed" and not pool.roster.ranks:
         raise PoolClosedError("the pool was stopped; start it again")
-    if pool.attached and (pool.needs_restart or not pool.started):
+    if pool.attached and (pool.needs_restart or not (pool.started or pool.roster.missing)):
         raise PoolClosedError(
             "the attached pool lost a rank: start torchrun again and attach again"
             + _turned_away(pool)
@@ -417,5 +419,9 @@ def ready_for_a_cell(pool) -> None:
             (f"{why} since the last cell; " if why else "")
             + "started a new pool: the ranks' state was lost"
         )
+    back = hosts_lost.arrived(pool) if pool.attached else []  # (refused at once: missing)
+    if back:
+        events = list(replace(pool, back))
+        pool.roster.backlog += [e for e in events if type(e) is P.Output]
     if not pool.started:
         pool.start()
