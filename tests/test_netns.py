@@ -22,7 +22,7 @@ import time
 import pytest
 
 from helpers import collect, end_all, free_port, namespace_digests
-from nbddp import Pool, PoolClosedError, remote
+from nbddp import Pool, PoolClosedError, remote, reports
 from nbddp.hosts_lost import HostsMissing
 from nbddp.tls import make_server_tls
 
@@ -424,6 +424,9 @@ def test_a_lost_host_rejoins_from_a_replacement_host(nodes, tmp_path, hosts, per
         procs[1].wait(30)
         rows = missing_rows(pool, time.monotonic() + 60)
         assert [(s.rank, s.host) for s in rows] == [(r, "node-b") for r in lost], rows
+        shown = reports.status(pool)  # %ddp status
+        assert shown.count(" missing ") == per_host, shown
+        assert "of host node-b are missing" in shown.splitlines()[-1], shown
         said = " ".join(pool.take_notes())
         assert "host node-b" in said, said
         assert "every other rank keeps its namespace" in said, said
