@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -405,22 +406,39 @@ def refusal(pool, deadline: float) -> str:
     return "no cell was refused"
 
 
+IN_ALL_REDUCE = """
+for _ in range(600):
+    torch.distributed.all_reduce(torch.ones(1))
+    __import__("time").sleep(0.05)
+"""
 REDUCE = "_t = torch.ones(1) * (rank + 1)\ntorch.distributed.all_reduce(_t)\n_t.item()"
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize(("hosts", "per_host"), [(2, 2), (3, 2), (2, 4)], ids=str)
-def test_a_lost_host_rejoins_from_a_replacement_host(nodes, tmp_path, hosts, per_host):
-    """SIGKILL every process of node-b (its torchrun, holders, ranks, relay): the others
-    keep their state and wait, status and a cell say which ranks and host are missing at
-    once; the same torchrun command on a replacement host brings them back, fresh, and the
-    group works at full size; a copy heals them."""
+@pytest.mark.parametrize(
+    ("hosts", "per_host", "in_a_cell"),
+    [(2, 2, False), (3, 2, True), (2, 4, False)],
+    ids=["2x2-between-cells", "3x2-in-all_reduce", "2x4-between-cells"],
+)
+def test_a_lost_host_rejoins_from_a_replacement_host(nodes, tmp_path, hosts, per_host, in_a_cell):
+    """SIGKILL every process of node-b (its torchrun, holders, ranks, relay), between cells
+    or while every rank is in all_reduce: the others keep their state and wait, status and
+    a cell say which ranks and host are missing at once; the same torchrun command on a
+    replacement host brings them back, fresh, and the group works at full size; a copy
+    heals them."""
     world, lost = hosts * per_host, list(range(per_host, 2 * per_host))
     kept = [r for r in range(world) if r not in lost]
     with attached_pool(nodes[:hosts], tmp_path, per_node=per_host) as (pool, procs):
         pool.execute("w = torch.full((1000,), float(rank))")
         before = namespace_digests(pool)
-        kill_host(nodes[1][0])
+        if in_a_cell:
+            events = pool.run(IN_ALL_REDUCE)
+            threading.Timer(1.0, kill_host, (nodes[1][0],)).start()
+            _, _, end = collect(events)
+            assert sorted(end.exits) == lost, end.exits
+            pool.notes[:0] = end.notes  # (said with the cell: checked below with the rest)
+        else:
+            kill_host(nodes[1][0])
         procs[1].wait(30)
         rows = missing_rows(pool, time.monotonic() + 60)
         assert [(s.rank, s.host) for s in rows] == [(r, "node-b") for r in lost], rows
