@@ -54,20 +54,22 @@ def store_lost(pool) -> bool:
     return STORE_RANK in pool.roster.missing or (r0 is not None and host_lost(r0))
 
 
-def _hosts(table: dict[int, str]) -> str:
-    """``host node-b (ranks 2, 3)``, for each host, in rank order."""
+def _by_host(table: dict[int, str]) -> dict[str, str]:
+    """{host: ``ranks 2, 3``}, in rank order."""
     by_host: dict[str, list[int]] = {}
     for rank, host in sorted(table.items()):
         by_host.setdefault(host, []).append(rank)
-    return ", ".join(f"host {h} ({S.rank_set(rs)})" for h, rs in by_host.items())
+    return {h: S.rank_set(rs) for h, rs in by_host.items()}
+
+
+def _hosts(table: dict[int, str]) -> str:
+    """``host node-b (ranks 2, 3)``, for each host."""
+    return ", ".join(f"host {h} ({rs})" for h, rs in _by_host(table).items())
 
 
 def _of_hosts(table: dict[int, str]) -> str:
-    """``ranks 2, 3 of host node-b``, for each host, in rank order."""
-    by_host: dict[str, list[int]] = {}
-    for rank, host in sorted(table.items()):
-        by_host.setdefault(host, []).append(rank)
-    return ", ".join(f"{S.rank_set(rs)} of host {h}" for h, rs in by_host.items())
+    """``ranks 2, 3 of host node-b``, for each host."""
+    return ", ".join(f"{rs} of host {h}" for h, rs in _by_host(table).items())
 
 
 def _lost_ranks(pool) -> dict[int, str]:
