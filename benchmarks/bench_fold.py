@@ -8,7 +8,11 @@ each read as the sinks call it, ``flush`` at the end):
 
 - ``training``: each rank prints its own loss line and then a shared line
   (``rank 3 step 7 loss 0.4121``, ``step 7 done``) -- the cell of the issue;
-- ``shared``: every rank prints the same line.
+- ``shared``: every rank prints the same line;
+- ``burst``: each rank prints its lines in a loop that the pool reads 1,000 lines at a
+  time (``line 0`` ... ``line 9999``), one rank after the other: like lines from one
+  rank that all wait at once (before the fix of this case, each line searched every
+  waiting line of its shape: 1,500 lines from one rank took 23 s).
 
 It also counts the lines shown: the baseline shows every own line apart and, in the
 training cell, every shared line once per rank; today's shows one line per step each.
@@ -35,6 +39,13 @@ LINES = 80_000
 def cell(kind: str, ranks: int, seed: int = 0):
     """The reads of one cell: (rank, lines) per read, steps in a shuffled rank order."""
     rng = random.Random(seed)
+    if kind == "burst":
+        each = LINES // ranks
+        return [
+            (rank, [f"line {i}" for i in range(start, min(each, start + 1000))])
+            for rank in range(ranks)
+            for start in range(0, each, 1000)
+        ]
     per_step = 2 if kind == "training" else 1
     steps = max(2, LINES // (ranks * per_step))
     reads = []
@@ -72,7 +83,7 @@ def main() -> None:
     rows = []
     print(f"{'cell':>9} {'ranks':>6} {'before us/line':>15} {'after us/line':>14} {'ratio':>6}"
           f" {'shown before':>13} {'shown after':>12}")  # fmt: skip
-    for kind in ("training", "shared"):
+    for kind in ("training", "shared", "burst"):
         for ranks in args.ranks:
             reads = cell(kind, ranks)
             before = measure(fold_baseline.Folder, reads, ranks)

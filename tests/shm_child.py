@@ -1,5 +1,5 @@
 """Every path that ships a big value, through %%ddp in a real IPython shell, where
-/dev/shm is small: run by test_small_shm.py under a 64 MB tmpfs in a mount namespace.
+/dev/shm is small: run by test_small_shm.py under a 32 MB tmpfs in a mount namespace.
 
 ``python shm_child.py N MB``: a pool of N ranks, values of MB megabytes. Each step's
 outcome (ok, what it found, what it printed) goes to stdout as one JSON line at the end;

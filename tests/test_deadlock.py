@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import random
 import re
+import threading
 
 import pytest
 
 from helpers import collect, healthy, namespace_digests
-from nbddp.deadlock import Seen, judge
+from nbddp.deadlock import Seen, judge, out_of_step
 from nbddp.errors import CellDeadlocked
 from nbddp.outcome import raise_for_end
 from nbddp.stacks import rank_set
@@ -127,6 +128,17 @@ def _patterns(n: int) -> list[tuple[str, list[int] | None, str]]:
     ]  # fmt: skip
 
 
+def test_a_group_its_members_ended_at_different_counts_is_out_of_step():
+    ahead = (("0", (), 159, False),)
+    ended = {0: ahead, 1: (("0", (), 158, False),)}
+    assert out_of_step(ended, 2) == "the default group: rank 0 issued 159 operations, rank 1 158"
+    assert out_of_step({0: ahead, 1: ahead}, 2) == ""  # in step
+    assert out_of_step({0: ahead}, 2) == ""  # rank 1 did not say (not in the cell)
+    assert out_of_step({0: (("0", (), 3, True),), 1: (("0", (), 2, True),)}, 2) == ""  # sends
+    sub = {0: (("1", (0, 2), 4, False),), 2: (("1", (0, 2), 5, False),), 1: ()}
+    assert out_of_step(sub, 3) == "group 1 (ranks 0, 2): rank 2 issued 5 operations, rank 0 4"
+
+
 def _deadlocked(pool, code: str, ranks=None) -> CellDeadlocked:
     _, _, end = collect(pool.run(code, ranks=ranks))
     with pytest.raises(CellDeadlocked) as info:
@@ -149,6 +161,75 @@ def test_each_pattern_ends_by_itself_named_and_every_namespace_is_kept(pool_of_s
     assert after == before
     assert pool.pids == pids  # no process was replaced, the pool never restarted
     assert pool.execute("dist.all_reduce(t := torch.ones(1)) or int(t)") == [n] * n
+
+
+# ---------------------------------------------------------------- out of step after a cell
+
+# An interrupt that lands on rank 0 just after it issued an all_reduce, on the others
+# just before: rank 0's all_reduce stays in flight, and paired with the next cell's
+# first collective elsewhere (gloo: "65536 vs 4 ... Received data size doesn't match",
+# SIGABRT: a rank and its namespace lost). Raised by the cell itself, so it lands there
+# every time.
+AHEAD = (
+    "x = torch.zeros(1 << 16)\n"
+    "if rank == 0:\n    dist.all_reduce(x, async_op=True)\n"
+    "raise KeyboardInterrupt"
+)
+CHECK = "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
+
+
+def _kept_state(pool):
+    pool.execute("import torch, torch.distributed as dist\nkept = torch.arange(10.0) + rank")
+    return namespace_digests(pool), list(pool.pids)
+
+
+def _same_state(pool, before, pids, *bound: str) -> None:
+    n = pool.world_size
+    assert pool.execute(CHECK) == [float(n)] * n  # in step again, on every rank
+    drop = ("t", *bound)
+    after = [{k: v for k, v in d.items() if k not in drop} for d in namespace_digests(pool)]
+    assert after == before
+    assert pool.pids == pids  # no rank was replaced
+
+
+def test_ranks_an_interrupt_left_out_of_step_are_re_formed_and_keep_their_state(pool_of_size):
+    pool = healthy(pool_of_size)
+    before, pids = _kept_state(pool)
+    _, _, end = collect(pool.run(AHEAD))
+    assert not end.errors, end
+    assert not end.exits, end
+    _same_state(pool, before, pids, "x")
+    (note,) = end.notes
+    assert note.startswith(
+        "the ranks ended the cell out of step in the default group: rank 0 issued "
+    ), note
+    assert "re-formed" in note
+    assert "Every rank kept its namespace" in note
+    pool.execute("del x, t, kept")
+
+
+LOOP = "x = torch.zeros(1 << 16)\nwhile True:\n    x.add_(1)\n    dist.all_reduce(x)"
+
+
+@pytest.mark.timeout(180)
+def test_interrupts_of_a_loop_of_collectives_never_cost_a_rank(pool_of_size):
+    """Each interrupt ends the loop at some collective on each rank: the next cell's
+    all_reduce works and no rank is replaced (1 run in 5-10 lost one before)."""
+    pool = healthy(pool_of_size)
+    before, pids = _kept_state(pool)
+    for i in range(8 if pool.world_size < 8 else 2):
+        timer = threading.Timer((0, 0.01, 0.05)[i % 3], pool.interrupt)
+        events = pool.run(LOOP)
+        timer.start()
+        try:
+            _, _, end = collect(events)
+        finally:
+            timer.cancel()
+        assert end.interrupted == "interrupt", end
+        assert not end.exits, end
+        assert pool.execute(CHECK) == [float(pool.world_size)] * pool.world_size
+    _same_state(pool, before, pids, "x")
+    pool.execute("del x, t, kept")
 
 
 NO_ALARM = """

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from . import protocol as P
 from . import recovery
 from . import stacks as S
-from .deadlock import world_count
+from .deadlock import out_of_step, world_count
 from .errors import root_causes
 from .hub import Closed, Dones, Gone, Mark, Msg, Text
 from .outcome import Outcome, failures_of
@@ -207,6 +207,8 @@ class Cell:
             yield from recovery.reform(pool, sup, out)
         elif not pool.needs_restart and any(d.needs_group for d in out.done.values()):
             yield from recovery.reform(pool, sup, out, quiet=True)  # the cell destroyed it
+        elif not pool.needs_restart and (skew := self._out_of_step()):
+            yield from recovery.reform(pool, sup, out, what=skew)
         if sup.stacks_at_interrupt:
             pool.last_stacks = dict(sup.stacks_at_interrupt)
         end = out.end(sup, notes + pool.take_notes(), kept=not pool.needs_restart)
@@ -218,6 +220,13 @@ class Cell:
         if getattr(pool, "last_cell", None) is self:  # read to its end (values not held)
             pool.last_cell = self.outer  # (the cell this one ran inside, if any)
         yield end
+
+    def _out_of_step(self) -> str:
+        """A group the ranks ended the cell at different places in (nbddp.deadlock), said
+        as the note's start; "" when they are in step (or some did not say)."""
+        ended = {r: d.places for r, d in self.out.done.items() if d.places}
+        skew = out_of_step(ended, self.pool.world_size)
+        return f"the ranks ended the cell out of step in {skew}" if skew else ""
 
     # ------------------------------------------------------------ one step
 

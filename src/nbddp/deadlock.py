@@ -16,6 +16,12 @@ Two rules, both certain by construction, so a slow rank is never taken for one:
 
 A group that carried a point-to-point operation is never judged (its counts are
 not comparable across its members); neither is a group some member did not report.
+
+After a cell, :func:`out_of_step` finds a group whose members ended it at different
+counts (an interrupt that landed on one rank just after it issued a collective and
+on another just before): the operation issued on some members only is still in
+flight on their backend, and would pair with the next cell's first one on the
+others (gloo: a size mismatch that aborts the process; NCCL: wrong data or a hang).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 
 from .stacks import Frame, rank_set
 
-__all__ = ["Deadlock", "Seen", "calls", "disagreeing", "judge", "world_count"]
+__all__ = ["Deadlock", "Seen", "calls", "disagreeing", "judge", "out_of_step", "world_count"]
 
 _C10D = ("distributed_c10d.py",)
 
@@ -74,6 +80,29 @@ def world_count(groups: tuple) -> int:
 def _counts(groups: tuple) -> dict[tuple[str, tuple[int, ...]], int]:
     """(group name, members) -> operations issued, for groups without point-to-point."""
     return {(name, ranks): seq for name, ranks, seq, p2p in groups if not p2p}
+
+
+def out_of_step(ended: dict[int, tuple], world: int) -> str:
+    """The first group whose members all ended a cell (``ended``: rank -> its
+    nbddp.worker_seq positions then) having issued different numbers of operations on
+    it, in one line ("" when none): ``the default group: rank 1 issued 159 operations,
+    rank 0 158``."""
+    by_group: dict[tuple, dict[int, int]] = {}
+    for rank, places in ended.items():
+        for key, seq in _counts(places).items():
+            by_group.setdefault(key, {})[rank] = seq
+    for key, seqs in sorted(by_group.items()):
+        members = key[1] or tuple(range(world))
+        if set(members) - set(seqs) or len(set(seqs.values())) == 1:
+            continue  # a member that did not say (or not in the cell), or in step
+        by_count: dict[int, list[int]] = {}
+        for rank, seq in seqs.items():
+            by_count.setdefault(seq, []).append(rank)
+        said = [f"{rank_set(sorted(by_count[n]))} {n}" for n in sorted(by_count, reverse=True)]
+        head, rest = said[0].rsplit(" ", 1)
+        said[0] = f"{head} issued {rest} operations"
+        return f"{_label(key)}: {', '.join(said)}"
+    return ""
 
 
 def _label(key: tuple[str, tuple[int, ...]]) -> str:

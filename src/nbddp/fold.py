@@ -25,8 +25,10 @@ through it.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import time
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from .fold_shape import bar, detail, rank_set, render, shape
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Folder", "Group", "Lines", "fold_key", "rank_set"]
 
+_seq = attrgetter("seq")
 SEARCH = 64  # waiting groups a join or a settle looks through, at most (beyond: no)
 
 
@@ -178,6 +181,9 @@ class Folder:
         self._ready: list[tuple[int, int, int, Group]] = []  # heap: groups with none before
         self._by_key: dict[tuple[str, str], list[Group]] = {}
         self._last: dict[int, Group | None] = {}  # running ranks: the group each joined last
+        # (rank, stream, shape): the seq of the rank's last group of that shape; no group
+        # at or before it can take the rank again (it comes before the rank's last line)
+        self._floor: dict[tuple[int, str, str], int] = {}
         for rank in ranks:
             self.expect(rank)
 
@@ -238,7 +244,8 @@ class Folder:
         prev = self._last[rank]
         for line in lines:
             key, values = shape(line)
-            group = self._joinable(self._by_key.get((stream, key)), prev)
+            floor = self._floor.get((rank, stream, key), -1)
+            group = self._joinable(self._by_key.get((stream, key)), prev, floor)
             if group is None:
                 group = self._opened(rank, stream, key, line, now, prev)
             elif prev is not None and not prev.out:
@@ -248,6 +255,7 @@ class Folder:
                 heapq.heappush(self._ready, (group.order, rank, group.seq, group))
             if rank < group.low:
                 group.low = rank
+            self._floor[(rank, stream, key)] = group.seq
             group.ranks.append(rank)
             group.values.append(line if values is None else values)
             if prev is not None:
@@ -257,12 +265,15 @@ class Folder:
         self._last[rank] = prev
         return self.due(now)
 
-    def _joinable(self, same: list[Group] | None, prev: Group | None) -> Group | None:
+    def _joinable(self, same: list[Group] | None, prev: Group | None, floor: int) -> Group | None:
         """The oldest waiting group of a shape that a rank whose last group is ``prev``
-        can join: one that does not come before ``prev`` (nor is it)."""
+        can join: one that does not come before ``prev`` (nor is it). Groups up to
+        ``floor`` (the rank's last of this shape) are skipped unread: a rank printing
+        thousands of like lines at once costs a search each, not one per line before."""
         if not same:
             return None
-        for group in same:
+        for i in range(bisect.bisect_right(same, floor, key=_seq), len(same)):
+            group = same[i]
             if prev is None or prev.out:
                 return group
             if group is not prev and not self._reaches(group, prev):

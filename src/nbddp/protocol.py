@@ -90,7 +90,7 @@ __all__ = [
     *events.__all__,
 ]
 
-PROTOCOL_VERSION = 8  # 6: Metrics; 7: Reform: world size, Held, Run.versions; 8: Stacks.groups
+PROTOCOL_VERSION = 9  # 7: Reform: world size, Held, Run.versions; 8: Stacks.groups; 9: Done.places
 
 
 # ---------------------------------------------------------------- data
@@ -205,6 +205,7 @@ class Done:
     freed: bool = False  # the group was aborted under this rank during the cell
     needs_group: bool = False  # the cell destroyed the default group: re-form it
     profile: Profile | None = None  # with Run.profile
+    places: tuple = ()  # operations issued on each group by the cell's end (worker_seq)
 
 
 @dataclass(frozen=True)

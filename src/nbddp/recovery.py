@@ -84,8 +84,9 @@ def can_replace(pool) -> bool:
     return not pool.attached or (held and not hosts_lost.store_lost(pool))
 
 
-def reform(pool, sup, out, quiet: bool = False):
-    """Every rank joins a new group; namespaces stay. Fall back to stopping the pool."""
+def reform(pool, sup, out, quiet: bool = False, what: str = ""):
+    """Every rank joins a new group; namespaces stay. Fall back to stopping the pool.
+    ``what``: why, when no rank was aborted (the note's start)."""
     t0 = time.monotonic()
     had = yield from _formed_again(pool, [])
     if had is None:
@@ -100,7 +101,7 @@ def reform(pool, sup, out, quiet: bool = False):
         return
     if getattr(sup, "deadlock", None) is not None:  # (said first, by the error)
         what = "to end the deadlock"
-    else:
+    elif not what:
         what = _what_ran(sup, out)
     pool.notes.append(
         f"{what}: the process group was aborted and re-formed in "

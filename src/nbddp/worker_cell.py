@@ -179,7 +179,8 @@ class CellRunner:
         except KeyboardInterrupt:  # raised by the user's own code, a __repr__ say: Done still
             metrics.flush()
             self._end_streams(msg.cell)  # (a second end marker for a cell is ignored)
-            self.send(P.Done(msg.cell, "interrupted", **self.changed_names()))
+            places = self.group.positions()
+            self.send(P.Done(msg.cell, "interrupted", places=places, **self.changed_names()))
 
     def _finish(self, msg: P.Run, out: _Outcome) -> None:
         """After the cell's code: abort if asked to, show its value, flush, send Done."""
@@ -191,7 +192,13 @@ class CellRunner:
         self._end_streams(msg.cell)
         done = self._done(msg, out.status, out.value, out.error)
         lost = not dist.is_initialized()  # the cell destroyed it: the pool forms a new one
-        done = dataclasses.replace(done, freed=freed, needs_group=lost, profile=out.profile)
+        done = dataclasses.replace(
+            done,
+            freed=freed,
+            needs_group=lost,
+            profile=out.profile,
+            places=self.group.positions(),  # the pool checks that the ranks are in step
+        )
         self.send(dataclasses.replace(done, **self.changed_names()))
 
     def _execute(self, msg: P.Run) -> _Outcome:
