@@ -10,6 +10,10 @@
    ``bench_step.py`` against torchrun (target <= 1.02).
 3. A soak: ``--soak`` mixed trivial cells with random delays at 3 ranks; aborts counted
    (must be 0).
+4. At ``--simulated`` simulated ranks (tests/simranks.py, through host relays), the
+   notebook's cost per cell, detection on and off, interleaved: a trivial cell, and a
+   cell whose ranks finish 0.3 s apart (the finished ranks are then asked for their
+   counts every 0.25 s): wall ms and the notebook's own CPU ms.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from bench_step import in_pool, under_torchrun
+from bench_step import in_pool, script_args, under_torchrun
 
 SETUP = (
     "import time, torch, torch.distributed as dist\n"
@@ -45,6 +49,7 @@ PATTERNS = {  # name: (cell, ranks: all but the last when "subset")
         False,
     ),
     "DDP forward on rank 0": (AT + "if rank == 0:\n    model(x)\n", False),
+    "shapes that differ": (AT + "dist.all_reduce(torch.ones(1 + rank))\n", False),
     "subgroup, one skips": (
         "_g = dist.new_group([0, 1])\n" + AT + "if rank == 0:\n"
         "    dist.all_reduce(torch.ones(2), group=_g)\n",
@@ -108,15 +113,16 @@ def costs(repeat: int, steps: int) -> dict:
     with Pool(4) as four, Pool(2) as two:
         for pool in (four, two):
             pool.execute("1")
-        in_pool(two, 10, False)
+        args = script_args(steps, "cpu", "gloo")
+        in_pool(two, script_args(10, "cpu", "gloo"), False)
         runs: dict = {k: {"on": [], "off": []} for k in out}
         torchrun = []
         for _ in range(repeat):  # interleaved, so drift hits every column alike
             for mode in ("on", "off"):
                 os.environ["NBDDP_DEADLOCKS"] = "1" if mode == "on" else "0"
                 runs["trivial ms, 4 ranks"][mode].append(_trivial(four, 200))
-                runs["DDP step ms, 2 ranks"][mode].append(in_pool(two, steps, False))
-            torchrun.append(under_torchrun(2, steps))
+                runs["DDP step ms, 2 ranks"][mode].append(in_pool(two, args, False))
+            torchrun.append(under_torchrun(2, args))
         os.environ.pop("NBDDP_DEADLOCKS")
     for key, modes in runs.items():
         out[key] = {m: statistics.median(v) for m, v in modes.items()}
@@ -148,13 +154,49 @@ def soak(cells: int) -> dict:
     return {"cells": cells, "aborts": aborts, "seconds": took}
 
 
+def simulated(n: int, repeat: int, procs: int = 8) -> dict:
+    """Per-cell cost at ``n`` simulated ranks, detection on and off, interleaved."""
+    from bench_scale import cell
+    from bench_scale import simulated as start
+
+    cells = {"trivial": "x = 1", "apart": "import time\nif rank == 0:\n    time.sleep(0.3)"}
+    runs = {(c, m): [] for c in cells for m in ("on", "off")}
+    pool, sims, _ = start(n, procs)
+    try:
+        for _ in range(3):
+            cell(pool, "x = 1")
+        for _ in range(repeat):
+            for mode in ("on", "off"):
+                os.environ["NBDDP_DEADLOCKS"] = "1" if mode == "on" else "0"
+                for name, code in cells.items():
+                    runs[name, mode].append(cell(pool, code))
+        os.environ.pop("NBDDP_DEADLOCKS")
+    finally:
+        pool.stop()
+        for sim in sims:
+            sim.wait(30)
+    out: dict = {}
+    print(f"\nat {n} simulated ranks (median of {repeat}), on / off (NBDDP_DEADLOCKS=0)")
+    for name in cells:
+        on, off = runs[name, "on"], runs[name, "off"]
+        wall = [1e3 * statistics.median(r[0] for r in x) for x in (on, off)]
+        cpu = [1e3 * statistics.median(r[1] for r in x) for x in (on, off)]
+        out[name] = {"wall_ms": wall, "notebook_cpu_ms": cpu}
+        print(
+            f"  {name:<8} wall on {wall[0]:8.2f} off {wall[1]:8.2f} ({wall[0] / wall[1]:.2f})"
+            f"   notebook CPU on {cpu[0]:7.2f} off {cpu[1]:7.2f} ({cpu[0] / cpu[1]:.2f})"
+        )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--soak", type=int, default=1000)
-    parser.add_argument("--parts", nargs="+", default=["patterns", "costs", "soak"])
+    parser.add_argument("--simulated", type=int, default=1024)
+    parser.add_argument("--parts", nargs="+", default=["patterns", "costs", "soak", "simulated"])
     parser.add_argument("--json")
     args = parser.parse_args()
     os.environ.pop("OMP_NUM_THREADS", None)
@@ -165,6 +207,8 @@ def main() -> None:
         results["costs"] = costs(args.repeat, args.steps)
     if "soak" in args.parts and args.soak:
         results["soak"] = soak(args.soak)
+    if "simulated" in args.parts:
+        results["simulated"] = simulated(args.simulated, args.repeat)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 import psutil
 
@@ -228,6 +229,15 @@ class DetachedFamily:
     def folders_left(self) -> list[str]:
         return sorted(f for f in self.folders if os.path.exists(f))
 
+    def stopped_by(self, stop: Callable[[], object]) -> None:
+        """``stop()`` (a kernel's ``%ddp stop NAME``; a Reply with an error fails) ends every
+        process recorded and removes every folder."""
+        self.record()
+        said = stop()
+        assert getattr(said, "error", None) is None, said.text  # type: ignore[attr-defined]
+        assert self.alive() == []
+        assert self.folders_left() == []
+
     def clean(self) -> None:
         for proc in self.procs.values():
             with contextlib.suppress(psutil.Error):
@@ -253,6 +263,23 @@ KERNEL_IDLE_JS = """() => {
 
 ANNOUNCEMENTS = "@jupyterlab/apputils-extension:announcements"
 WIDGET_MANAGER = "@jupyter-widgets/jupyterlab-manager"  # ipywidgets' (jupyterlab_widgets)
+
+
+@contextlib.contextmanager
+def detached_family(name: str) -> Iterator[DetachedFamily]:
+    """The detached pool ``name``'s family, for a test; whatever the test left of it (a
+    failed test's) is stopped by name, or killed, and removed after."""
+    from nbddp import detached_client
+    from nbddp.errors import NbddpError
+
+    family = DetachedFamily(name)
+    try:
+        yield family
+    finally:
+        if family.supervisor.pid in family.alive(timeout=0):
+            with contextlib.suppress(NbddpError):
+                detached_client.stop(name)
+        family.clean()
 
 
 def python3_notebook(cells: list[str]):

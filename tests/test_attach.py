@@ -77,6 +77,12 @@ def test_two_torchrun_nodes_attach_and_stop_ends_them(token_file, tmp_path):
         assert "re-formed" in end.notes[0]
         assert pool.execute("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == [4.0] * 4
         assert metrics_of(pool) == {r: [r * 100.0 + i for i in range(300)] for r in range(4)}
+        # deadlocks through the relays (issue 37): slow ranks and a subgroup never are one
+        from test_deadlock import SLOW, no_alarm
+
+        no_alarm(collect(pool.run(SLOW))[2])
+        _, _, end = collect(pool.run("if rank != 1:\n    dist.all_reduce(torch.ones(2))"))
+        assert end.deadlock.startswith("deadlock: ranks 0, 2, 3 wait in all_reduce #"), end
         pool.stop()
         assert [n.wait(60) for n in nodes] == [0, 0]  # torchrun ends cleanly
     finally:

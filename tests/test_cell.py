@@ -16,6 +16,7 @@ from nbddp import payload
 from nbddp import protocol as P
 from nbddp.cell import Cell, Requests
 from nbddp.hub import Closed, Dones, Gone, Mark, Msg, RelayLink, Text
+from nbddp.pool_repair import PoolRepair
 from nbddp.roster import Roster
 from nbddp.streams import Stream
 
@@ -61,8 +62,9 @@ class FakeLogs:
         self.errors.append((rank, pid, info))
 
 
-class FakePool:
-    """What a Cell asks of its pool, recorded."""
+class FakePool(PoolRepair):
+    """What a Cell asks of its pool, recorded (the pool's real repair part carries out
+    recovery's decisions on these fakes)."""
 
     def __init__(self, n: int = 2, relay: bool = False) -> None:
         self.roster = Roster(n, attached=False)

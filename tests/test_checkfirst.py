@@ -72,6 +72,12 @@ REFUSALS = {
     "connect": ("%ddp connect nbddp-no-such-pool", "no detached pool named nbddp-no-such-pool"),
     "detached-name": ("%ddp start --detached bad.name", "a detached pool's name is letters"),
     "detached-gpus": ("%ddp start --detached ok -n 3 --gpus 0", "--gpus names 1 GPU for 3"),
+    "attach-name": ("%ddp attach --world-size 2 --detached a.b", "a detached pool's name is"),
+    "attach-idle": ("%ddp attach --world-size 2 --idle-timeout 5", "--idle-timeout needs --de"),
+    "attach-slurm": (
+        "%ddp attach --world-size 2 --detached ok --slurm '--partition gpu'",
+        "the SLURM options must say how many nodes (--nodes N)",
+    ),
 }
 
 

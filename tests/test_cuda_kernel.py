@@ -10,16 +10,13 @@ device), so a mistake in it shows on any machine.
 from __future__ import annotations
 
 import ast
-import contextlib
 import os
 
 import pytest
 import torch
 from jupyter_client.manager import start_new_kernel
 
-from helpers import DetachedFamily
-from nbddp import detached_client
-from nbddp.errors import NbddpError
+from helpers import detached_family
 from nbddp.gpus import plan
 from test_detached_kernel import digest, notebook_value
 from test_kernel import execute, kernels, restarted  # noqa: F401
@@ -178,8 +175,7 @@ def test_a_detached_pool_keeps_cuda_tensors_across_a_kernel_restart(kernels, n):
     km, k = kernels()
     ok(k, "%load_ext nbddp\nimport torch")
     ok(k, f"%ddp start -n {n} --detached {name}")
-    family = DetachedFamily(name)
-    try:
+    with detached_family(name) as family:
         ok(
             k,
             "%%ddp --text --quiet\nkept = torch.full((1000,), float(rank), device=device)\n"
@@ -193,12 +189,4 @@ def test_a_detached_pool_keeps_cuda_tensors_across_a_kernel_restart(kernels, n):
         assert digest(k) == before
         where = notebook_value(k, "(str(kept.device), str(next(model.parameters()).device))", "d_")
         assert where == [(d, d) for d in gpus_of(n)]
-        family.record()
-        ok(k, f"%ddp stop {name}")
-        assert family.alive() == []
-        assert family.folders_left() == []
-    finally:
-        if family.supervisor.pid in family.alive(timeout=0):
-            with contextlib.suppress(NbddpError):
-                detached_client.stop(name)
-        family.clean()
+        family.stopped_by(lambda: ok(k, f"%ddp stop {name}"))

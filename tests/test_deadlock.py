@@ -66,6 +66,28 @@ def test_ranks_in_different_calls_at_one_place_are_a_deadlock_once_it_lasts():
     assert judge(elsewhere, {}, 2, {}, 9.0, 0.3) is None
 
 
+def test_the_same_call_with_different_sizes_or_dtypes_is_a_deadlock_once_it_lasts():
+    def seen(shape, since=1.0):
+        return Seen(_in("all_reduce", 2), (("0", (), 1, False),), 2.0, since, "0", shape)
+
+    running = {r: seen((1 + r, "float32")) for r in range(3)}
+    assert judge(running, {}, 3, {}, 1.2, 0.3) is None  # not settled yet
+    found = judge(running, {}, 3, {}, 1.5, 0.3)
+    assert found.message == (
+        "deadlock: ranks disagree on all_reduce #1: rank 0 1 float32 element, rank 1 2, "
+        "rank 2 3 (cell line 2)"
+    )
+    dtypes = {0: seen((2, "float32")), 1: seen((2, "float64")), 2: seen((2, "float64"))}
+    assert judge(dtypes, {}, 3, {}, 1.5, 0.3).message == (
+        "deadlock: ranks disagree on all_reduce #1: rank 0 2 float32 elements, "
+        "ranks 1, 2 2 float64 (cell line 2)"
+    )
+    same = {r: seen((4, "float32")) for r in range(3)}
+    assert judge(same, {}, 3, {}, 9.0, 0.3) is None  # a slow collective
+    unknown = {0: seen(None), 1: seen((2, "float32"))}  # a call whose sizes may differ
+    assert judge(unknown, {}, 2, {}, 9.0, 0.3) is None
+
+
 def test_the_supervisor_asks_the_finished_rank_and_aborts_once_sure():
     sup = CellSupervisor(1, [0, 1], 100.0)
     sup.done(1, "ok", 100.0)
@@ -97,7 +119,7 @@ SETUP = (
     "model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))\n"
     "x = torch.randn(8, 4)\n"
 )
-CELLS_BIND = {"_g"}  # the names the patterns bind (a subgroup: all ranks make it)
+CELLS_BIND = {"_g", "t"}  # the names the patterns bind (a subgroup: all ranks make it)
 
 
 def _patterns(n: int) -> list[tuple[str, list[int] | None, str]]:
@@ -118,6 +140,9 @@ def _patterns(n: int) -> list[tuple[str, list[int] | None, str]]:
          "    dist.all_reduce(torch.ones(2))\n", None,
          rf"deadlock: ranks disagree on collective #\d+: rank 0 broadcast \(line 2\), "
          rf"{rank_set(not0)} all_reduce \(line 4\)"),
+        ("t = torch.ones(1 + rank)\ndist.all_reduce(t)\n", None,
+         r"deadlock: ranks disagree on all_reduce #\d+: (rank 0 1 float32 element, rank 1 2"
+         r"|rank 1 2 float32 elements)(, rank \d \d)* \(cell line 2\)"),
         ("_g = dist.new_group([0, 1])\nif rank == 0:\n"
          "    dist.all_reduce(torch.ones(2), group=_g)\n", None,
          r"deadlock: rank 0 waits in all_reduce #1 \(cell line 3\) of group \d+ "
@@ -126,6 +151,11 @@ def _patterns(n: int) -> list[tuple[str, list[int] | None, str]]:
          rf"deadlock: {rank_set(list(range(n - 1)))} waits? in all_reduce #\d+ "
          rf"\(cell line 1\); rank {last} did not run the cell \(--ranks\), at \d+ collectives"),
     ]  # fmt: skip
+
+
+def _unbound(digests: list[dict]) -> list[dict]:
+    """Each rank's digests less the names the patterns bind."""
+    return [{k: v for k, v in d.items() if k not in CELLS_BIND} for d in digests]
 
 
 def test_a_group_its_members_ended_at_different_counts_is_out_of_step():
@@ -150,15 +180,14 @@ def test_each_pattern_ends_by_itself_named_and_every_namespace_is_kept(pool_of_s
     pool = healthy(pool_of_size)
     n = pool.world_size
     pool.execute(SETUP)
-    before, pids = namespace_digests(pool), list(pool.pids)
+    before, pids = _unbound(namespace_digests(pool)), list(pool.pids)
     for code, ranks, pattern in _patterns(n):
         error = _deadlocked(pool, code, ranks)
         first = str(error).splitlines()[0]
         assert re.fullmatch(pattern, first), (code, str(error))
         assert "re-formed" in str(error)
         assert "kept its namespace" in str(error)
-    after = [{k: v for k, v in d.items() if k not in CELLS_BIND} for d in namespace_digests(pool)]
-    assert after == before
+    assert _unbound(namespace_digests(pool)) == before
     assert pool.pids == pids  # no process was replaced, the pool never restarted
     assert pool.execute("dist.all_reduce(t := torch.ones(1)) or int(t)") == [n] * n
 
@@ -188,7 +217,7 @@ def _same_state(pool, before, pids, *bound: str) -> None:
     assert pool.execute(CHECK) == [float(n)] * n  # in step again, on every rank
     drop = ("t", *bound)
     after = [{k: v for k, v in d.items() if k not in drop} for d in namespace_digests(pool)]
-    assert after == before
+    assert after == [{k: v for k, v in d.items() if k not in drop} for d in before]
     assert pool.pids == pids  # no rank was replaced
 
 
@@ -271,6 +300,53 @@ def test_slow_ranks_slow_collectives_and_subgroups_are_never_taken_for_one(pool_
     assert not end.notes
 
 
+# ranks waiting for a slow one, a finished member-less rank, a subgroup: in any setting
+SLOW = """
+import time, torch, torch.distributed as dist
+t = torch.ones(2)
+if rank == 0:
+    time.sleep(1.5)
+dist.all_reduce(t)
+_evens = dist.new_group(list(range(0, world_size, 2)))
+if rank % 2 == 0:  # the odd ranks finish while the evens wait for rank 0
+    if rank == 0:
+        time.sleep(1.5)
+    dist.all_reduce(t, group=_evens)
+"""
+
+
+def no_alarm(end) -> None:
+    """The cell ended well: no deadlock, no abort, no note."""
+    raise_for_end(end)
+    assert not end.deadlock
+    assert not end.notes
+
+
+def test_a_ranks_subset_waiting_for_a_slow_member_is_never_taken_for_one(pool_of_size):
+    """``--ranks``: all but the last run; they wait 1.5 s for rank 0 in a subgroup of
+    their own while the last rank is idle."""
+    pool = healthy(pool_of_size)
+    n = pool.world_size
+    head = "import time, torch, torch.distributed as dist\n"
+    pool.execute(head + f"_sub = dist.new_group({list(range(n - 1))})")
+    cell = "if rank == 0:\n    time.sleep(1.5)\ndist.all_reduce(torch.ones(2), group=_sub)\n"
+    _, _, end = collect(pool.run(cell, ranks=list(range(n - 1))))
+    no_alarm(end)
+
+
+def test_a_ddp_run_script_with_slow_ranks_is_never_taken_for_one(pool, tmp_path):
+    """``%ddp run``: a torchrun script (its own init and destroy) whose ranks finish apart."""
+    script = tmp_path / "slow.py"
+    body = SLOW.replace("rank", "dist.get_rank()").replace("world_size", "dist.get_world_size()")
+    script.write_text(
+        "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+        + body
+        + "dist.destroy_process_group()\n"
+    )
+    _, _, end = collect(pool.run_script(str(script)))
+    no_alarm(end)
+
+
 def _soak_cell(rng: random.Random, n: int) -> str:
     """A mixed trivial cell: collectives, subgroups, sends, ranks finishing apart."""
     delay = f"time.sleep({rng.uniform(0, 0.02):.3f} * ((rank + {rng.randrange(n)}) % {n}))\n"
@@ -301,29 +377,42 @@ def test_a_soak_of_mixed_cells_with_random_delays_never_aborts(pool_of_size):
         assert not end.notes, (i, code, end.notes)
 
 
+KERNEL_PATTERNS = 5  # the issue's five: DDP forward, skip, barrier, broadcast, shapes
+
+
 @pytest.mark.kernel
-@pytest.mark.parametrize("n", [3, 8])
-def test_through_a_kernel_the_deadlock_is_the_first_thing_the_cell_shows(kernel, n):
+@pytest.mark.timeout(900)
+def test_through_a_kernel_each_pattern_at_each_size_shows_the_deadlock_first(kernel):
+    """One kernel, the pool resized 2 -> 3 -> 4 -> 8: at each size each of the issue's
+    patterns ends by itself, the deadlock is the first thing the cell shows, naming the
+    ranks, the collective and the line, and every rank's namespace digest is unchanged."""
+    import ast
+
+    from helpers import NAMESPACE_DIGEST
     from test_kernel import execute, pool_pids
 
     _, kc = kernel
     execute(kc, "%load_ext nbddp")
-    r = execute(kc, f"%%ddp -n {n} --text\n{SETUP}kept = rank + 10", timeout=120)
-    assert r.error is None, r.text
-    pids = pool_pids(kc)
-    for code, head in [  # (the DDP model first: a re-form leaves it stale)
-        ("if rank == 0:\n    model(x)", "deadlock: rank 0 waits in collective #"),
-        ("if rank != 1:\n    dist.all_reduce(torch.ones(2))",
-         f"deadlock: {rank_set([0, *range(2, n)])} wait in all_reduce #"),
-    ]:  # fmt: skip
-        r = execute(kc, f"%%ddp --text --no-auto\n{code}", timeout=60)
-        assert r.error["ename"] == "CellDeadlocked", r.text
-        assert r.error["evalue"].startswith(head), r.error["evalue"]
-        assert r.stdout == "", r.stdout  # nothing before the error
-    r = execute(kc, "%%ddp --text --no-fold\nprint('kept', kept)")
-    assert r.error is None
-    assert all(f"[rank {i}] kept {i + 10}" in r.stdout for i in range(n))
-    assert pool_pids(kc) == pids
+    digests = (
+        "from nbddp.magics import _MAGICS\n"
+        f"print(next(iter(_MAGICS.values())).pool.execute({NAMESPACE_DIGEST!r}))"
+    )
+    for n in (2, 3, 4, 8):
+        r = execute(kc, f"%%ddp -n {n} --text\n{SETUP}kept = rank + 10", timeout=180)
+        assert r.error is None, r.text
+        pids, before = pool_pids(kc), ast.literal_eval(execute(kc, digests).stdout)
+        for code, _, pattern in _patterns(n)[:KERNEL_PATTERNS]:  # (the DDP model first)
+            r = execute(kc, f"%%ddp --text --no-auto\n{code}", timeout=90)
+            assert r.error is not None, (n, r.text)
+            assert r.error["ename"] == "CellDeadlocked", (n, r.text)
+            shifted = re.sub(r"line (\d)", lambda m: f"line {int(m[1]) + 1}", pattern)
+            first = r.error["evalue"].splitlines()[0]  # (line 1 is the %%ddp line)
+            assert re.fullmatch(shifted, first), r.error["evalue"]
+            shown = [k for k in r.kinds if k not in ("status", "execute_input")]
+            assert shown[0] == "error", (n, code, shown, r.text)  # nothing before it
+        after = ast.literal_eval(execute(kc, digests).stdout)
+        assert _unbound(after) == _unbound(before)
+        assert pool_pids(kc) == pids
     execute(kc, "%ddp stop")
 
 
@@ -373,3 +462,42 @@ def test_256_simulated_ranks_finishing_apart_are_never_taken_for_one():
         pool.stop()
         for sim in sims:
             sim.wait(30)
+
+
+def test_the_text_sink_names_the_rank_behind_with_each_count():
+    import io
+
+    from nbddp import protocol as P
+    from nbddp.sinks import TextSink
+
+    now, out, err = [100.0], io.StringIO(), io.StringIO()
+    sink = TextSink(stdout=out, stderr=err, clock=lambda: now[0], window=0)
+    sink.handle(P.RankStates((0, 1, 2), "running"))
+    sink.handle(P.RankWhere(0, "all_reduce, cell line 3", "all_reduce", 98.0, 1208))
+    sink.handle(P.RankWhere(1, "all_reduce, cell line 3", "all_reduce", 98.0, 1208))
+    sink.handle(P.RankWhere(2, "cell line 2: loss.backward()", None, 99.0, 1190))
+    assert "behind" not in err.getvalue()  # (ranks sampled a moment apart differ)
+    now[0] += 2.0
+    sink.handle(P.RankWhere(2, "cell line 2: loss.backward()", None, 99.0, 1190))
+    sink.handle(P.RankWhere(0, "all_reduce, cell line 3", "all_reduce", 98.0, 1208))
+    sink.close(None)
+    assert err.getvalue() == (
+        "[nbddp] rank 2 behind: collective #1190 of #1208 (cell line 2: loss.backward()); "
+        "ranks 0, 1 waiting in all_reduce #1208 (4 s)\n"
+    )  # once, however many samples follow
+
+
+def test_ddp_stacks_says_each_ranks_count_and_who_was_behind(pool):
+    from nbddp import reports
+
+    code = "import time, torch, torch.distributed as dist\n"
+    assert pool.execute(code + "dist.barrier()") == [None, None]
+    idle = reports.stacks(pool)
+    assert re.search(r"collectives issued on the default group: ranks 0, 1 #\d+$", idle)
+    cell = "if rank == 1:\n    time.sleep(60)\ndist.all_reduce(torch.ones(1))\n"
+    _, _, end = collect(pool.run(cell, timeout=2.5))
+    assert end.interrupted
+    last = reports.stacks(pool).split("interrupted or timed out:")[1]
+    n = re.search(r"rank 0 #(\d+)", last)
+    assert n, last
+    assert f"rank 1 #{int(n[1]) - 1} (behind)" in last, last

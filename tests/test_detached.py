@@ -890,3 +890,17 @@ def test_interrupt_stuck_says_when_the_detached_pool_does_not_answer(detached, m
     assert end.values == {0: "after", 1: "after"}
     assert "it was interrupted" in end.notes[0], end.notes
     assert pool.interrupt_stuck() is False
+
+
+def test_slow_ranks_and_a_subgroup_are_never_taken_for_a_deadlock(detached):
+    """A detached pool watches for deadlocks as a local one does: ranks waiting 1.5 s for
+    a slow one, odd ranks finishing while the evens wait in a subgroup, no alarm; a
+    skipped all_reduce ends by itself, named, namespaces kept (issue 37)."""
+    from test_deadlock import SLOW, no_alarm
+
+    pool = detached.pool
+    _, _, end = collect(pool.run(SLOW))
+    no_alarm(end)
+    _, _, end = collect(pool.run("if rank != 1:\n    dist.all_reduce(torch.ones(2))"))
+    assert end.deadlock.startswith("deadlock: "), end
+    assert "rank 1 finished the cell" in end.deadlock

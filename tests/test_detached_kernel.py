@@ -9,16 +9,13 @@ changes anything on the ranks. At 2 and 4 ranks.
 from __future__ import annotations
 
 import ast
-import contextlib
 import os
 import signal
 import time
 
 import pytest
 
-from helpers import NAMESPACE_DIGEST, DetachedFamily, wait_gone
-from nbddp import detached_client
-from nbddp.errors import NbddpError
+from helpers import NAMESPACE_DIGEST, detached_family, wait_gone
 from test_kernel import execute, kernels, one_usage_error, ranks_printing  # noqa: F401
 
 pytestmark = pytest.mark.kernel
@@ -39,6 +36,19 @@ def notebook_value(kc, cell: str, var: str):
     return ast.literal_eval(execute(kc, f"print(repr({var}))").stdout.strip())
 
 
+def killed_in(km, kc, cell: str, n: int) -> None:
+    """Kernel ``kc`` is SIGKILLed while ``cell`` runs on its detached pool, once each of
+    ``n`` ranks printed ``tick``."""
+    msg_id = kc.execute(cell)
+    printed, deadline = "", time.monotonic() + 60
+    while ranks_printing(printed, "tick") != set(range(n)):
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            printed += msg["content"]["text"]
+    os.kill(km.provisioner.process.pid, signal.SIGKILL)
+    assert wait_gone([km.provisioner.process.pid]) == []
+
+
 def digest(kc) -> list[dict[str, str]]:
     return notebook_value(kc, NAMESPACE_DIGEST, "digest_")
 
@@ -50,20 +60,11 @@ def test_a_kernel_killed_mid_cell_then_a_second_kernel_lose_nothing(kernels, n):
     km_a, a = kernels()
     assert execute(a, "%load_ext nbddp").error is None
     assert execute(a, f"%ddp start -n {n} --detached {name}").error is None
-    family = DetachedFamily(name)
-    try:
+    with detached_family(name) as family:
         assert execute(a, BUILD).error is None
         before = digest(a)
 
-        # kernel A is killed while its cell runs; the cell runs on
-        msg_id = a.execute(LAST)
-        printed, deadline = "", time.monotonic() + 60
-        while ranks_printing(printed, "tick") != set(range(n)):
-            msg = a.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
-            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-                printed += msg["content"]["text"]
-        os.kill(km_a.provisioner.process.pid, signal.SIGKILL)
-        assert wait_gone([km_a.provisioner.process.pid]) == []
+        killed_in(km_a, a, LAST, n)  # kernel A is killed while its cell runs; it runs on
 
         # kernel B connects: the cell's end, and every rank as it was plus what it did
         _, b = kernels()
@@ -93,12 +94,4 @@ def test_a_kernel_killed_mid_cell_then_a_second_kernel_lose_nothing(kernels, n):
         assert "took the detached pool" in said, said
         assert digest(c) == after
 
-        family.record()
-        assert execute(c, f"%ddp stop {name}").error is None
-        assert family.alive() == []
-        assert family.folders_left() == []
-    finally:
-        if family.supervisor.pid in family.alive(timeout=0):
-            with contextlib.suppress(NbddpError):
-                detached_client.stop(name)
-        family.clean()
+        family.stopped_by(lambda: execute(c, f"%ddp stop {name}"))

@@ -21,7 +21,7 @@ CORE = {
     "copying", "detached", "detached_client", "detached_wire", "pool_calls", "wire",
     "handshake", "private", "tls", "markers", "resizing", "healing", "deathnote",
     "carriers", "detached_folder", "detached_kernels", "detached_outbox", "detached_pool",
-    "gpus", "pool_life", "codec", "deadlock", "hosts_lost",
+    "gpus", "pool_life", "pool_repair", "codec", "deadlock", "hosts_lost",
 }  # fmt: skip
 FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",
@@ -158,3 +158,40 @@ def test_the_checks_can_see_a_circle_and_an_upward_import():
     finally:
         GRAPH.clear()
         GRAPH.update(saved)
+
+
+# recovery decides, the pool's repair part carries out (issue 40, one way through): what
+# recovery may import (its words and its facts' types), and it is handed no pool to drive
+DECIDER_IMPORTS = {"protocol", "stacks", "deathnote", "errors", "deadlock"}
+
+
+def names_the_pool(tree: ast.Module) -> list[str]:
+    """Where ``tree`` takes, names or reaches into a pool (``pool``, ``self.pool``,
+    ``pool.roster``...): each as ``line: what``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.arg == "pool":
+            found.append(f"{node.lineno}: argument pool")
+        elif isinstance(node, ast.Name) and node.id == "pool":
+            found.append(f"{node.lineno}: pool")
+        elif isinstance(node, ast.Attribute) and node.attr in ("pool", "roster", "hub", "procs"):
+            found.append(f"{node.lineno}: .{node.attr}")
+    return found
+
+
+def test_recovery_decides_and_touches_nothing():
+    """recovery reads typed facts and returns decisions: it imports none of the parts that
+    own ranks, processes or connections, and never takes or reaches into a pool (the old
+    recovery drove ``pool.reap``, ``pool.roster``, ``pool.hub``... itself)."""
+    tree = ast.parse((SRC / "recovery.py").read_text())
+    ours, _ = imports_in(tree, lazy=True)
+    assert ours <= DECIDER_IMPORTS, f"recovery imports {sorted(ours - DECIDER_IMPORTS)}"
+    assert not names_the_pool(tree), names_the_pool(tree)
+    carriers = {m for m in MODULES if "recovery" in EVER[m][0]}
+    assert carriers == {"pool_repair"}, f"{sorted(carriers)} ask recovery"
+
+
+def test_the_decider_check_sees_a_pool():
+    old = ast.parse("from .roster import RankGone\ndef replace(pool, dead):\n    pool.reap()\n")
+    assert imports_in(old, lazy=True)[0] - DECIDER_IMPORTS == {"roster"}
+    assert names_the_pool(old) == ["2: argument pool", "3: pool"]

@@ -12,12 +12,13 @@ import time
 
 from IPython.core.error import UsageError
 
-from . import remote
-from .errors import PoolStartError
+from . import detached_client, detaching, remote
+from . import detached_wire as W
+from .errors import NbddpError, PoolStartError
 from .pool import Pool
 from .private import UnsafeFile, workspace_folder
 from .session import say
-from .tls import Tls, make_server_tls
+from .tls import Tls, server_credentials
 
 __all__ = ["attach", "prepare", "workspace"]
 
@@ -26,21 +27,34 @@ def prepare(args) -> tuple[str, int, bytes, Tls | None]:
     """What ``%ddp attach`` (``args``: its parsed options) listens on, with which token
     and (--tls) certificate: checked before the running pool is let go. The token file
     is made if missing; with --tls it pins the new certificate, without it pins none
-    (the ranks of the last pool attached with it read how to connect there)."""
+    (the ranks of the last pool attached with it read how to connect there). With
+    --detached the supervisor makes the certificate (its key stays there): here the
+    token file is only checked, and the name, --slurm and --idle-timeout too."""
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
         raise UsageError(f"--listen takes HOST:PORT, not {args.listen!r}")
     workspace(args.workspace)
-    tls, pin = make_server_tls() if args.tls else (None, "")
+    detached = getattr(args, "detached", None)
+    if getattr(args, "idle_timeout", None) is not None and not detached:
+        raise UsageError("--idle-timeout needs --detached NAME (a kernel's own pool ends with it)")
+    if detached:
+        detaching.check_name(detached)
+    if getattr(args, "slurm", None):
+        _slurm_script(args, "notebook-host:1")  # (what it says wrong, before anything starts)
     try:
-        token = remote.read_or_create_token(args.token_file, pin)
+        if detached:
+            return host, int(port), remote.read_or_create_token(args.token_file), None
+        token, tls = server_credentials(args.token_file, args.tls)
     except UnsafeFile as exc:
         raise UsageError(str(exc)) from None
     return host, int(port), token, tls
 
 
-def attach(args, host: str, port: int, token: bytes, tls: Tls | None = None) -> Pool:
-    """The pool ``%ddp attach`` asked for, once every rank is in (see :func:`prepare`)."""
+def attach(args, host: str, port: int, token: bytes, tls: Tls | None = None):
+    """The pool ``%ddp attach`` asked for, once every rank is in (see :func:`prepare`):
+    the kernel's own, or (--detached) a detached pool's, run by its supervisor."""
+    if getattr(args, "detached", None):
+        return _attach_detached(args, host, port)
     pool = Pool(
         args.world_size,
         listen=(host, port),
@@ -50,21 +64,87 @@ def attach(args, host: str, port: int, token: bytes, tls: Tls | None = None) -> 
         on_join=_joined,
         workspace=args.workspace,
     )
-    _call_ranks(args, pool, host)
     t0 = time.perf_counter()
     try:
+        _call_ranks(args, pool, host)
         pool.start()
     except (PoolStartError, KeyboardInterrupt) as exc:
         pool.stop()
         raise UsageError(f"attach ended: {exc or 'interrupted'}") from None
+    _attached(args, pool, t0)
+    return pool
+
+
+def _attach_detached(args, host: str, port: int):
+    """A detached pool's supervisor listens and holds the pool; this kernel says how to
+    start the ranks, counts them in, and connects."""
+    name, t0 = args.detached, time.perf_counter()
+    idle = W.IDLE_TIMEOUT if args.idle_timeout is None else args.idle_timeout
+    try:
+        pool = detached_client.start(
+            name,
+            args.world_size,
+            idle_timeout=idle,
+            timeout=args.timeout + START_MARGIN,
+            attach={"token_file": args.token_file, "tls": args.tls},
+            watch=_Watch(args, host),
+            listen=(host, port),
+            start_timeout=args.timeout,
+            workspace=args.workspace,
+        )
+    except (NbddpError, ValueError, KeyboardInterrupt) as exc:
+        raise UsageError(f"attach ended: {exc or 'interrupted'}") from None
+    _attached(
+        args,
+        pool,
+        t0,
+        f": the detached pool {name} outlives this kernel (`%ddp connect {name}` from any "
+        f"of your kernels; it stops after {idle:g} s without one)",
+    )
+    return pool
+
+
+START_MARGIN = 30.0  # s a detached attach waits past --timeout (its supervisor says first)
+
+
+class _Watch:
+    """A detached attach's start, seen from the kernel: once its supervisor listens, the
+    ranks are called (the torchrun command said, or the SLURM job submitted), then each
+    rank that joins is counted."""
+
+    def __init__(self, args, host: str) -> None:
+        self.args, self.host = args, host
+        self.called, self.joined = False, ""
+
+    def __call__(self, folder: str) -> None:
+        if not self.called:
+            address = _read(os.path.join(folder, W.ADDRESS))
+            if not address:
+                return
+            self.called = True
+            _call(self.args, address, self.host)
+        joined = _read(os.path.join(folder, W.JOINED))
+        if joined and joined != self.joined:
+            self.joined = joined
+            _joined(int(joined), self.args.world_size)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _attached(args, pool, t0: float, more: str = "") -> None:
     print()
     hosts = sorted({s.host for s in pool.status()})
     say(
         f"attached {args.world_size} ranks on {len(hosts)} host"
         f"{'s' * (len(hosts) > 1)} ({', '.join(hosts)}) in "
-        f"{time.perf_counter() - t0:.1f} s"
+        f"{time.perf_counter() - t0:.1f} s{more}"
     )
-    return pool
 
 
 def workspace(path: str | None, make: bool = False) -> str | None:
@@ -82,7 +162,12 @@ def workspace(path: str | None, make: bool = False) -> str | None:
 
 def _call_ranks(args, pool: Pool, host: str) -> None:
     """Listen, then submit the SLURM job or say the torchrun command that joins."""
-    address = pool.listen()
+    _call(args, pool.listen(), host)
+
+
+def _call(args, address: str, host: str) -> None:
+    """The ranks are called to ``address``: the SLURM job submitted, or the torchrun
+    command said (a host that listens on every address is named by its own name)."""
     reachable = (
         address
         if host not in ("0.0.0.0", "::")
@@ -90,18 +175,20 @@ def _call_ranks(args, pool: Pool, host: str) -> None:
     )
     if not args.slurm:
         say(
-            f"listening on {address}{' (TLS)' * bool(pool.tls)}; on each node run:\n"
+            f"listening on {address}{' (TLS)' * bool(args.tls)}; on each node run:\n"
             + remote.torchrun_command(reachable, args.token_file, args.world_size)
         )
         return
+    say(f"submitted SLURM job {remote.submit_slurm(_slurm_script(args, reachable))}")
+
+
+def _slurm_script(args, reachable: str) -> str:
     try:
-        script = remote.slurm_script(
+        return remote.slurm_script(
             args.slurm, args.world_size, reachable, args.token_file, python=sys.executable
         )
     except ValueError as exc:
-        pool.stop()
         raise UsageError(str(exc)) from None
-    say(f"submitted SLURM job {remote.submit_slurm(script)}")
 
 
 def _joined(connected: int, world_size: int) -> None:

@@ -6,7 +6,8 @@ items (or the supervisor's next deadline), hands each item to its handler
 (a table keyed by the item's type, then by the message's type), and carries
 out what the :class:`~nbddp.supervisor.CellSupervisor` says is due: stack
 samples, interrupts, an abort of the group, the last resort of stopping the
-pool (:mod:`nbddp.recovery`).
+pool. What a failure costs is decided by :mod:`nbddp.recovery` and carried out by the
+pool (:class:`~nbddp.pool_repair.PoolRepair`): the cell hands it what happened.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ import time
 from dataclasses import dataclass
 
 from . import protocol as P
-from . import recovery
 from . import stacks as S
-from .deadlock import out_of_step, world_count
+from .deadlock import world_count
 from .errors import root_causes
 from .hub import Closed, Dones, Gone, Mark, Msg, Text
 from .outcome import Outcome, failures_of
@@ -152,7 +152,7 @@ class Cell:
             abort_after=pool.abort_after,
             grace=pool.grace,
             timeout=self.timeout,
-            replace_dead=recovery.can_replace(pool),
+            replace_dead=pool.can_replace(),
             others=tuple(r.rank for r in pool.roster.live() if r.rank not in self.runs),
             world=pool.world_size,
             detect=os.environ.get("NBDDP_DEADLOCKS", "1") != "0",
@@ -200,17 +200,11 @@ class Cell:
 
     def _after(self, notes: list[str]):
         pool, sup, out = self.pool, self.sup, self.out
-        died = sorted(r for r, x in out.exits.items() if not x.stopped_by_pool)
-        if not pool.needs_restart and died:
-            yield from recovery.replace(pool, died, out.code)
-        elif not pool.needs_restart and sup.aborted_at is not None:
-            yield from recovery.reform(pool, sup, out)
-        elif not pool.needs_restart and any(d.needs_group for d in out.done.values()):
-            yield from recovery.reform(pool, sup, out, quiet=True)  # the cell destroyed it
-        elif not pool.needs_restart and (skew := self._out_of_step()):
-            yield from recovery.reform(pool, sup, out, what=skew)
+        yield from pool.recover(sup, out)  # replace the dead, re-form the group
         if sup.stacks_at_interrupt:
             pool.last_stacks = dict(sup.stacks_at_interrupt)
+            places = sup.places_at_interrupt.items()
+            pool.last_counts = {r: world_count((None, g)) for r, g in places}
         end = out.end(sup, notes + pool.take_notes(), kept=not pool.needs_restart)
         if not end.interrupted:  # a rank a peer's failure broke shows as freed, not red
             _, consequences = root_causes(failures_of(end))
@@ -220,13 +214,6 @@ class Cell:
         if getattr(pool, "last_cell", None) is self:  # read to its end (values not held)
             pool.last_cell = self.outer  # (the cell this one ran inside, if any)
         yield end
-
-    def _out_of_step(self) -> str:
-        """A group the ranks ended the cell at different places in (nbddp.deadlock), said
-        as the note's start; "" when they are in step (or some did not say)."""
-        ended = {r: d.places for r, d in self.out.done.items() if d.places}
-        skew = out_of_step(ended, self.pool.world_size)
-        return f"the ranks ended the cell out of step in {skew}" if skew else ""
 
     # ------------------------------------------------------------ one step
 
@@ -266,7 +253,7 @@ class Cell:
                 live = [r.rank for r in pool.roster.live() if r.state != "starting"]
                 pool.send(live, P.AbortGroup(sup.cell))
             elif action.kind == "stop":
-                yield from recovery.stop_pool(pool, sup, self.out, action)
+                yield from pool.stop_all(self.out, action)
 
     # ------------------------------------------------------------ items
 
@@ -291,7 +278,7 @@ class Cell:
     def _gone(self, item: Gone):
         r = self.pool.roster[item.rank]
         if r.state != "dead":
-            yield from recovery.rank_died(self.pool, self.sup, self.out, r)
+            yield from self.pool.rank_died(self.sup, self.out, r)
 
     def _msg(self, item: Msg):
         handler = self._MESSAGES.get(type(item.msg))

@@ -12,7 +12,10 @@ Two rules, both certain by construction, so a slow rank is never taken for one:
   count is read once it has finished, so it is final.)
 - **disagree**: every member of G is blocked in a torch.distributed call, at the
   same count, and they are not all in the same call (``broadcast`` on rank 0,
-  ``all_reduce`` on the others), and nothing moved for ``settle`` seconds.
+  ``all_reduce`` on the others), and nothing moved for ``settle`` seconds; or
+  members blocked in the same call at the same count pass tensors of different sizes
+  or dtypes (``torch.ones(1 + rank)`` all-reduced: gloo hangs or returns garbage), read
+  from the blocked call's arguments by the sample (nbddp.worker_seq.call_shape).
 
 A group that carried a point-to-point operation is never judged (its counts are
 not comparable across its members); neither is a group some member did not report.
@@ -44,6 +47,7 @@ class Seen:
     taken: float
     since: float  # when these frames and counts were first seen unchanged
     on: str | None = None  # the group the torch.distributed call it is in is on
+    shape: tuple[int, str] | None = None  # (elements, dtype) of that call's tensor
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,8 @@ def disagreeing(seen: dict[int, Seen], running: list[int]) -> bool:
     if not running or len(seen) < len(running):
         return False
     ops = {calls(seen[r].frames)[0] if r in seen else None for r in running}
-    return None not in ops and len(ops) > 1
+    shapes = {seen[r].shape for r in running if r in seen}
+    return None not in ops and (len(ops) > 1 or len(shapes) > 1)
 
 
 def world_count(groups: tuple) -> int:
@@ -127,7 +132,7 @@ def judge(
     """A certain deadlock among ``running`` (rank -> Seen) and ``finished`` (rank -> its
     final groups; ``why[rank]``: "finished the cell" or "did not run the cell")."""
     left = _left_behind(running, finished, why)
-    return left or _disagree(running, world, now, settle)
+    return left or _disagree(running, world, now, settle) or _differ(running, now, settle)
 
 
 def _left_behind(running, finished, why) -> Deadlock | None:
@@ -194,3 +199,40 @@ def _say_disagree(ops: dict, key, n: int) -> Deadlock:
     )
     group = "" if not key[1] else f" of {_label(key)}"
     return Deadlock(f"deadlock: ranks disagree on collective #{n}{group}: {said}", tuple(ops))
+
+
+def _differ(running: dict[int, Seen], now: float, settle: float) -> Deadlock | None:
+    """Members of a group blocked, settled, in the same call at the same count on it,
+    with tensors of different sizes or dtypes: that collective can never be right."""
+    blocked: dict[tuple, dict[int, tuple[int, str]]] = {}
+    for rank, seen in sorted(running.items()):
+        call = calls(seen.frames)[0]
+        if seen.shape is None or call is None or now - seen.since < settle:
+            continue
+        for (name, ranks), seq in _counts(seen.groups).items():
+            if name == seen.on:
+                blocked.setdefault((name, ranks, seq, call), {})[rank] = seen.shape
+    for (name, ranks, seq, call), shapes in sorted(blocked.items()):
+        if len(set(shapes.values())) > 1:
+            return _say_differ(running, shapes, (name, ranks), seq, call)
+    return None
+
+
+def _say_differ(running, shapes: dict, key, n: int, call: str) -> Deadlock:
+    """``deadlock: ranks disagree on all_reduce #1: rank 0 1 float32 element, rank 1 2,
+    rank 2 3 (cell line 2)``."""
+    parts: dict[tuple[int, str], list[int]] = {}
+    for rank, shape in shapes.items():
+        parts.setdefault(shape, []).append(rank)
+    first = next(iter(shapes.values()))[1]
+    said = []
+    for (numel, dtype), ranks in sorted(parts.items(), key=lambda p: p[1]):
+        what = f"{numel} {dtype} element{'s' * (numel != 1)}" if not said else str(numel)
+        said.append(f"{rank_set(ranks)} {what}{f' {dtype}' if said and dtype != first else ''}")
+    line = calls(running[min(shapes)].frames)[1]
+    where = f" (cell line {line})" if line else ""
+    group = "" if not key[1] else f" of {_label(key)}"
+    return Deadlock(
+        f"deadlock: ranks disagree on {call} #{n}{group}: {', '.join(said)}{where}",
+        tuple(sorted(shapes)),
+    )

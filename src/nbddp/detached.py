@@ -44,6 +44,7 @@ from .detached_wire import IDLE_TIMEOUT
 from .listener import bind_unix
 from .pool import Pool
 from .private import write_private
+from .tls import server_credentials
 
 __all__ = ["KILL_AFTER", "Supervisor", "main"]
 
@@ -56,7 +57,7 @@ class Supervisor:
 
     def __init__(self, folder: str, options: dict) -> None:
         self.folder, self.name = folder, os.path.basename(folder)
-        self.pool = Pool(**options["pool"])
+        self.pool = Pool(**self._pool_options(options))
         self.idle_timeout = float(options.get("idle_timeout", IDLE_TIMEOUT))
         self.kernels = Kernels(self, float(options.get("send_deadline") or SEND_DEADLINE))
         self.started_at = time.time()
@@ -72,10 +73,34 @@ class Supervisor:
         self.ended = False
         self._wake = threading.Event()  # the watch thread: look now
 
+    def _pool_options(self, options: dict) -> dict:
+        """The pool's options; an attached pool's (``%ddp attach --detached``) with its
+        token, and its certificate made here: the key never leaves this process."""
+        pool, attach = dict(options["pool"]), options.get("attach")
+        if attach:
+            pool["listen"] = tuple(pool["listen"])
+            pool["token"], pool["tls"] = server_credentials(attach["token_file"], attach["tls"])
+            pool["on_join"] = self._joined
+        return pool
+
+    def _joined(self, connected: int, world_size: int) -> None:
+        """A rank of an attached pool joined: the kernel that waits counts it."""
+        write_private(os.path.join(self.folder, W.JOINED), str(connected).encode())
+
     # ------------------------------------------------------------ life
 
-    def serve(self) -> None:
+    def _start(self) -> None:
+        """Start the pool (an attached pool's listener first, its address said in the
+        folder for the kernel to call the ranks to). A SIGTERM meanwhile (the kernel gave
+        up: Ctrl-C, its --timeout) ends the start, which cleans up after itself."""
+        signal.signal(signal.SIGTERM, _given_up)
+        if self.pool.attached:
+            address = self.pool.listen()
+            write_private(os.path.join(self.folder, W.ADDRESS), address.encode())
         self.pool.start()
+
+    def serve(self) -> None:
+        self._start()
         token = secrets.token_hex(32).encode()
         write_private(os.path.join(self.folder, "token"), token)
         address = os.path.join(self.folder, "sock")
@@ -178,6 +203,7 @@ class Supervisor:
             pool.backend_in_use,
             dict(pool.last_stacks),
             pool.grace,
+            pool.attached,
         )
 
     def _handle(self, outbox, msg: object) -> None:
@@ -221,10 +247,7 @@ class Supervisor:
     def listing(self) -> dict:
         connected = self.kernels.connected()
         live = [r for r in self.pool.roster.ranks.values() if r.state != "dead"]
-        rss = 0
-        for r in live:
-            with contextlib.suppress(psutil.Error):
-                rss += psutil.Process(r.pid).memory_info().rss
+        rss = None if self.pool.attached else _rss(r.pid for r in live)  # (pids elsewhere)
         idle = self.kernels.idle(time.monotonic())
         return {
             "name": self.name,
@@ -288,6 +311,19 @@ class Supervisor:
         return dataclasses.replace(end, notes=(*end.notes, *notes)) if notes else end
 
 
+def _rss(pids) -> int:
+    """The resident memory of these processes of this host, together."""
+    rss = 0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            rss += psutil.Process(pid).memory_info().rss
+    return rss
+
+
+def _given_up(signum, _frame) -> None:
+    raise SystemExit(f"the start was given up ({signal.Signals(signum).name})")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = argv or sys.argv[1:]
     folder = args[0]
@@ -301,8 +337,10 @@ def main(argv: list[str] | None = None) -> int:
             sys.path.insert(1, path)
     try:
         Supervisor(folder, options).serve()
-    except BaseException:
-        write_private(os.path.join(folder, "error.txt"), traceback.format_exc().encode())
+    except BaseException as exc:  # the last line: what the kernel says of it
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        text = f"{traceback.format_exc()}\n{said}\n"
+        write_private(os.path.join(folder, "error.txt"), text.encode())
         raise
     return 0
 

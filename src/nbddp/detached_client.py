@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from . import detached_folder as F
 from . import detached_wire as W
@@ -76,14 +77,21 @@ def start(
     idle_timeout: float = W.IDLE_TIMEOUT,
     timeout: float = 120.0,
     send_deadline: float | None = None,
+    attach: dict | None = None,
+    watch: Callable[[str], None] | None = None,
     **options,
 ) -> DetachedPool:
     """Start the detached pool ``name`` of ``n`` ranks (``options`` as Pool's) and connect.
     ``send_deadline``: s the supervisor waits on a kernel that does not read before it
-    drops that kernel (:data:`nbddp.detached_outbox.SEND_DEADLINE`)."""
+    drops that kernel (:data:`nbddp.detached_outbox.SEND_DEADLINE`). ``attach``: the
+    ranks are started elsewhere and connect in (``{"token_file": .., "tls": ..}``; the
+    supervisor listens on ``options["listen"]``); ``watch(folder)`` is called while it
+    starts (it says how to start the ranks, and counts them). Interrupted (Ctrl-C), or
+    if ``watch`` raises, the supervisor is ended and leaves nothing."""
     folder = W.folder_of(name)
     settings = {
         "pool": {"n": n, **{k: v for k, v in options.items() if v is not None}},
+        "attach": attach,
         "idle_timeout": idle_timeout,
         "send_deadline": send_deadline,
         "sys_path": [p for p in sys.path if p],
@@ -107,22 +115,39 @@ def start(
             )
     finally:
         F.release(lock)
-    _wait_started(name, folder, proc, time.monotonic() + timeout)
+    try:
+        _wait_started(name, folder, proc, time.monotonic() + timeout, watch)
+    except BaseException:  # Ctrl-C, or what ``watch`` could not do: nothing is left
+        _end(proc, folder)
+        raise
     threading.Thread(target=proc.wait, daemon=True).start()  # reap it when it ends
     return connect(name)
 
 
-def _wait_started(name: str, folder: str, proc: subprocess.Popen, deadline: float) -> None:
+def _wait_started(
+    name: str, folder: str, proc: subprocess.Popen, deadline: float, watch=None
+) -> None:
     while not os.path.exists(os.path.join(folder, "info.json")):
+        if watch is not None:
+            watch(folder)
         if proc.poll() is not None or time.monotonic() > deadline:
             why = _read(os.path.join(folder, "error.txt")).strip().splitlines()
-            proc.kill()
-            proc.wait()
-            F.remove_if_dead(folder)
             raise E.PoolStartError(
                 f"the detached pool {name} did not start: {why[-1] if why else 'no answer'}"
             )
-        time.sleep(0.02)
+        time.sleep(0.02 if watch is None else 0.1)
+
+
+def _end(proc: subprocess.Popen, folder: str) -> None:
+    """A supervisor that did not start: asked to end (its pool's start cleans up after
+    itself), killed if it does not within 10 s; its folder removed."""
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    F.remove_if_dead(folder)
 
 
 def _read(path: str) -> str:

@@ -46,7 +46,6 @@ class DetachedPool(PoolCalls):
     """A detached pool, as this kernel sees it."""
 
     detached = True
-    attached = False
 
     def __init__(self, conn: W.Link, welcome: W.Welcome) -> None:
         self.conn = conn
@@ -80,6 +79,7 @@ class DetachedPool(PoolCalls):
     pids = property(lambda self: self._state.pids)
     backend_in_use = property(lambda self: self._state.backend)
     last_stacks = property(lambda self: self._state.last_stacks)
+    attached = property(lambda self: self._state.attached)  # ranks torchrun started
 
     @property
     def resumed(self) -> bool:
@@ -285,8 +285,8 @@ class DetachedPool(PoolCalls):
     def status(self, timeout: float = 2.0):
         return self._call("status", timeout)
 
-    def stacks(self, timeout: float = 2.0):
-        return self._call("stacks", timeout)
+    def stacks(self, timeout: float = 2.0, counts: bool = False):
+        return self._call("stacks", timeout, counts)
 
     def copy(self, names, src, dst=None):
         return self._call("copy", names, src, dst)

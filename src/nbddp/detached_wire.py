@@ -44,8 +44,10 @@ from . import protocol as P
 from .wire import Channel
 
 __all__ = [
+    "ADDRESS",
     "BACKLOG",
     "IDLE_TIMEOUT",
+    "JOINED",
     "Backlog",
     "Batch",
     "Bye",
@@ -71,6 +73,9 @@ __all__ = [
 VERSION = 2  # 2: requests and answers carry an id
 BACKLOG = 10_000  # output events kept for a kernel that does not read them now
 IDLE_TIMEOUT = 3600.0  # s without a kernel before the pool stops itself (0: never)
+# an attached pool's start (``%ddp attach --detached``), in its folder: where its supervisor
+# listens for the ranks (written once it listens), and how many have joined so far
+ADDRESS, JOINED = "address", "joined"
 
 
 class Link:
@@ -123,6 +128,7 @@ class PoolState:
     backend: str
     last_stacks: dict = field(default_factory=dict)
     grace: float = 3.0  # s the ranks have to come back from an interrupt
+    attached: bool = False  # its ranks were started elsewhere (torchrun) and connected in
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,7 @@ def table() -> str:
             kernel = f"pid {p['connected']}"
         else:
             kernel = f"none for {now - p['idle_since']:.0f} s"
-        uptime, rss = f"{p['uptime']:.0f} s", f"{p['rss'] / 2**20:.0f} MiB"
+        uptime = f"{p['uptime']:.0f} s"
+        rss = "elsewhere" if p["rss"] is None else f"{p['rss'] / 2**20:.0f} MiB"  # (attached)
         rows.append((p["name"], str(p["world_size"]), str(p["alive"]), state, kernel, uptime, rss))
     return columns(rows)

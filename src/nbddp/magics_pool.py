@@ -107,7 +107,7 @@ class PoolCommands:
         """Wait for ranks started by torchrun elsewhere to connect, then use them."""
         args = parse_argstring(ddp_attach, rest)
         host, port, token, _ = where = attaching.prepare(args)
-        self.session.check(
+        self.session.check(  # (a detached pool's own start checks these again)
             args.world_size,
             listen=(host, port),
             token=token,

@@ -181,6 +181,16 @@ def ddp_start(line):
     type=_folder,
     help="a folder every host mounts at this path (NFS): %%ddp copy goes through it",
 )
+@argument(
+    "--detached",
+    metavar="NAME",
+    help="the pool outlives this kernel, its ranks too (%%ddp connect NAME)",
+)
+@argument(
+    "--idle-timeout",
+    type=_seconds,
+    help="a detached pool with no kernel connected this long stops itself (3600 s)",
+)
 def ddp_attach(line):
     """Wait for ranks started by torchrun elsewhere to connect, then use them as the pool."""
 

@@ -9,7 +9,8 @@ draws them):
 - :class:`~nbddp.processes.RankProcesses` starts, kills and reaps local ranks;
 - :class:`~nbddp.pool_life.PoolLife` (inherited) starts, restarts and stops them all;
 - :class:`~nbddp.cell.Cell` is one cell: it turns items into events and acts;
-- :mod:`nbddp.recovery` re-forms the group or stops the pool, and says so.
+- :mod:`nbddp.recovery` decides how a failure is mended, and words it;
+- :class:`~nbddp.pool_repair.PoolRepair` (inherited) carries that out.
 
 The pool's own state is one value (:attr:`Pool.state`). The pool knows no
 IPython and no sink, and needs no particular thread: a front end drives a
@@ -22,7 +23,7 @@ import itertools
 import time
 from collections.abc import Iterator
 
-from . import capture, copying, payload, queries, recovery, resizing
+from . import capture, copying, payload, queries, resizing
 from . import protocol as P
 from .cell import Cell, Requests, make_runs
 from .healing import check_heal
@@ -33,6 +34,7 @@ from .logs import LogDir
 from .outcome import failures_of, raise_for_end
 from .pool_calls import PoolCalls
 from .pool_life import PoolLife
+from .pool_repair import PoolRepair
 from .processes import RankProcesses
 from .queries import RankStatus
 from .roster import Roster
@@ -40,7 +42,7 @@ from .roster import Roster
 __all__ = ["Pool", "RankStatus", "failures_of", "raise_for_end"]
 
 
-class Pool(PoolLife, PoolCalls):
+class Pool(PoolLife, PoolRepair, PoolCalls):
     """A persistent pool of ``n`` ranks forming one torch.distributed process group.
 
     >>> with Pool(2) as pool:
@@ -113,6 +115,7 @@ class Pool(PoolLife, PoolCalls):
         self.state = "new"
         self.notes: list[str] = []  # said once, with the next cell
         self.last_stacks: dict[int, tuple] = {}  # where the ranks were at the last interrupt
+        self.last_counts: dict[int, int] = {}  # and their collective counts (default group)
         self.requests = Requests()  # interrupts, from any thread
         self.address = ""
         self.listener: Listener | None = None
@@ -203,7 +206,7 @@ class Pool(PoolLife, PoolCalls):
         """Make the pool ready for a cell now: a rank that died since the last cell is
         replaced, a pool that lost its state started anew (said with the next cell). A
         front end calls it before it decides what to ship, so that a new rank gets it."""
-        recovery.ready_for_a_cell(self)
+        self.mend()
 
     def run(
         self,
@@ -250,7 +253,7 @@ class Pool(PoolLife, PoolCalls):
         if previous is not None and not nested:  # left before its end: ended first (a note)
             self.last_cell = None
             previous.finish()
-        recovery.ready_for_a_cell(self)
+        self.mend()
         targets = sorted(set(range(self.world_size) if ranks is None else ranks))
         bad = [r for r in targets if not 0 <= r < self.world_size]
         if bad:
@@ -300,9 +303,10 @@ class Pool(PoolLife, PoolCalls):
         """One row per rank: pid, host, device, state, uptime, resident memory."""
         return queries.status(self, timeout)
 
-    def stacks(self, timeout: float = 2.0) -> dict[int, tuple]:
-        """Where each rank's main thread is now (between cells: empty, they are idle)."""
-        return queries.stacks(self, timeout)
+    def stacks(self, timeout: float = 2.0, counts: bool = False) -> dict[int, tuple]:
+        """Where each rank's main thread is now (between cells: empty, they are idle);
+        with ``counts``, (frames, its collective count on the default group) each."""
+        return queries.stacks(self, timeout, counts)
 
     def copy(self, names: list[str], src: int, dst: list[int] | None = None) -> copying.Copied:
         """Bind rank ``src``'s ``names`` on ``dst`` (all others): :mod:`nbddp.copying`."""

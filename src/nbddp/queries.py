@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from . import hosts_lost
 from . import protocol as P
+from .deadlock import world_count
 from .hub import Gone, Msg
 
 __all__ = ["RankStatus", "stacks", "status"]
@@ -65,7 +66,10 @@ def _state(pool, r, replies: dict) -> str:
     return r.state if r.state == "dead" or r.rank in replies else "unresponsive"
 
 
-def stacks(pool, timeout: float = 2.0) -> dict[int, tuple]:
-    """Where each rank's main thread is now (between cells: empty, they are idle)."""
+def stacks(pool, timeout: float = 2.0, counts: bool = False) -> dict[int, tuple]:
+    """Where each rank's main thread is now (between cells: empty, they are idle); with
+    ``counts``, (frames, operations issued on the default group, -1: unknown) each."""
     replies = ask(pool, P.StackQuery(), P.Stacks, timeout)
+    if counts:
+        return {r: (m.frames, world_count(m.groups)) for r, m in sorted(replies.items())}
     return {rank: reply.frames for rank, reply in sorted(replies.items())}

@@ -1,7 +1,8 @@
 """Resizing a local pool: the ranks that stay keep their processes and namespaces.
 
 ``%%ddp -n 6`` on a pool of 4 starts ranks 4-5 fresh, and the group is formed again
-at 6 ranks by the machinery that replaces a dead rank (:func:`nbddp.recovery._form_again`:
+at 6 ranks by the machinery that replaces a dead rank
+(:meth:`nbddp.pool_repair.PoolRepair.form_again`:
 new processes join a re-form of the survivors under a new prefix of the store they
 share). ``-n 2`` stops ranks 2-3 first, then the same re-form at 2. Each rank's
 ``world_size``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` follow (the re-form says the new
@@ -15,7 +16,6 @@ import time
 from dataclasses import dataclass
 
 from . import protocol as P
-from . import recovery
 from .errors import NbddpError, PoolStartError
 from .gpus import gpu_notes
 from .layout import check_backend, check_layout, check_log_dir
@@ -126,7 +126,7 @@ def resize(pool, n: int) -> Resized:
     enough_open_files(len(new))
     pool.state = "starting"
     try:
-        recovery._form_again(pool, [], recovery.REFORM_TIMEOUT, new)
+        pool.form_again([], new=new)
     except (PoolStartError, KeyboardInterrupt) as exc:
         pool.lose()
         raise PoolStartError(

@@ -20,8 +20,10 @@ from typing import Protocol, TextIO
 
 from . import protocol as P
 from .charts import summary_line
+from .dashboard_html import RankView, mark_behind
 from .fold import Folder, Group
 from .metric_store import CellMetrics
+from .stacks import rank_set
 
 __all__ = ["FOLD_WINDOW", "Sink", "TextSink", "columns", "show_rich"]
 
@@ -85,6 +87,8 @@ class TextSink:
         # quiet: each rank's last lines, numbered in the order they came out
         self._held: dict[int, deque[tuple[int, Group]]] = {}
         self._came = 0
+        self._views: dict[int, RankView] = {}  # state and collective count, for "behind"
+        self._where: dict[int, str] = {}  # each rank's last place (nbddp.stacks.summary)
 
     def _tag(self, group: Group) -> str:
         if len(group.ranks) == 1 and group.ranks[0] in self.hosts:
@@ -103,7 +107,10 @@ class TextSink:
             for one in event.each():
                 self.handle(one)
         elif isinstance(event, P.RankState):
+            self._view(event.rank).state = event.state
             self._take(self._fold.state(event))
+        elif isinstance(event, P.RankWhere):
+            self._where_now(event)
         elif isinstance(event, P.RankResult) and event.value_repr is not None and not self.quiet:
             self._take(self._fold.result(event))
         elif isinstance(event, P.RankDisplay) and not self.quiet:
@@ -120,6 +127,35 @@ class TextSink:
             self._take(self._fold.due())
         if self.metrics.dirty and self._clock() - self._metrics_said >= METRICS_EVERY:
             self._say_metrics()
+
+    def _view(self, rank: int) -> RankView:
+        return self._views.setdefault(rank, RankView(0))
+
+    def _where_now(self, event: P.RankWhere) -> None:
+        """A rank's place and collective count; one line when a rank falls behind the
+        others (the dashboard's rule, nbddp.dashboard_html.mark_behind), naming its count,
+        the others' and the collective they wait in."""
+        view, now = self._view(event.rank), self._clock()
+        view.waiting = (event.waiting, event.since) if event.waiting else None
+        if event.count != view.ops:
+            view.ops, view.ops_at = event.count, now
+        self._where[event.rank] = event.where
+        was = {r: v.ahead for r, v in self._views.items()}
+        mark_behind(self._views, now)
+        for rank, v in sorted(self._views.items()):
+            if v.ahead > -1 and was.get(rank) != v.ahead and not self.quiet:
+                self._say_behind(rank, v, now)
+
+    def _say_behind(self, rank: int, view: RankView, now: float) -> None:
+        """``[nbddp] rank 2 behind: collective #1190 of #1208 (cell line 2: ...); ranks
+        0, 1 waiting in all_reduce #1208 (4 s)``."""
+        self._take(self._fold.flush())
+        ahead = [r for r, v in self._views.items() if v.ops == view.ahead and v.waiting]
+        said = f"[nbddp] rank {rank} behind: collective #{view.ops} of #{view.ahead}"
+        said += f" ({self._where[rank]})" if self._where.get(rank) else ""
+        if ahead:
+            said += f"; {rank_set(sorted(ahead))} {self._views[ahead[0]].state_text(now)}"
+        self._stream("stderr").write(said + "\n")
 
     def _say_metrics(self) -> None:
         """One line per metric the cell logged: where it stands now."""

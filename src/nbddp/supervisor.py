@@ -130,6 +130,7 @@ class CellSupervisor:
     died_at: float | None = field(init=False, default=None)  # the first death
     where: dict[int, _Where] = field(init=False, default_factory=dict)
     stacks_at_interrupt: dict[int, tuple[Frame, ...]] = field(init=False, default_factory=dict)
+    places_at_interrupt: dict[int, tuple] = field(init=False, default_factory=dict)  # counts
     status: dict[int, str] = field(init=False, default_factory=dict)  # from each Done
     seen: dict[int, Seen] = field(init=False, default_factory=dict)  # running ranks' places
     final: dict[int, tuple] = field(init=False, default_factory=dict)  # finished ranks' counts
@@ -241,13 +242,17 @@ class CellSupervisor:
 
     def positions(self, rank: int, frames: tuple[Frame, ...], groups: tuple, now: float) -> None:
         """A sample's ``groups``: (the cell its counts are final after, or None; its
-        nbddp.worker_seq positions)."""
-        after, places, on = (*groups, None)[:3] if len(groups) >= 2 else (None, (), None)
+        nbddp.worker_seq positions; the group its torch.distributed call is on; that
+        call's (elements, dtype), nbddp.worker_seq.call_shape)."""
+        said = (*groups, None, None)[:4] if len(groups) >= 2 else (None, (), None, None)
+        after, places, on, shape = said
         phase = self.phase.get(rank)
         if phase == "running":
+            if self.interrupt_at is not None and places:  # (none while the group aborts)
+                self.places_at_interrupt.setdefault(rank, places)
             old = self.seen.get(rank)
             same = old is not None and old.groups == places and old.frames == frames
-            self.seen[rank] = Seen(frames, places, now, old.since if same else now, on)
+            self.seen[rank] = Seen(frames, places, now, old.since if same else now, on, shape)
         elif after is not None and (after == self.cell or phase is None):
             self.final.setdefault(rank, places)  # finished here (or not in the cell): final
         self._news = True

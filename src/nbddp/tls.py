@@ -15,7 +15,7 @@ import hashlib
 import os
 import ssl
 
-__all__ = ["Tls", "make_server_tls", "pinned_client_tls"]
+__all__ = ["Tls", "make_server_tls", "pinned_client_tls", "server_credentials"]
 
 
 class Tls:
@@ -46,6 +46,19 @@ def _load_pem(context: ssl.SSLContext, cert: bytes, key: bytes) -> None:
                 f.write(data)
             paths.append(path)
         context.load_cert_chain(*paths)
+
+
+def server_credentials(token_file: str, tls: bool) -> tuple[bytes, Tls | None]:
+    """What a listener for attached ranks needs: the token in ``token_file`` (made if
+    missing) and, with ``tls``, a new certificate whose fingerprint the file then pins
+    (without, it pins none: the ranks of the last pool attached with it read how to
+    connect there). Where the listener runs (the kernel, a detached pool's supervisor)
+    makes them: the key never leaves that process's memory. UnsafeFile: the file is not
+    private."""
+    from .private import write_token_file
+
+    server, pin = make_server_tls() if tls else (None, "")
+    return write_token_file(token_file, pin).token, server
 
 
 def make_server_tls() -> tuple[Tls, str]:

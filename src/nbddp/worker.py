@@ -313,7 +313,13 @@ def _rank(args: argparse.Namespace, address: str, where: str, renewed: bool) -> 
         )
         return 3
     except (OSError, EOFError) as exc:
-        print(f"nbddp.worker: cannot reach {where}: {exc}", file=sys.stderr)
+        gone = (  # (its rank ended with the notebook's connection, most likely: said so)
+            f": the pool rank {os.environ.get('RANK', '?')} served is gone (the notebook's "
+            "kernel ended, or its connection dropped); its state is lost, and this worker ends"
+            if renewed
+            else ""
+        )
+        print(f"nbddp.worker: cannot reach {where}: {exc}{gone}", file=sys.stderr)
         return 2
     relayed = address != args.connect
     return Worker(control, address, token, relayed, None if relayed else tls).serve(renewed)

@@ -28,7 +28,7 @@ from .ddp import DDPContext
 from .worker_code import OUT_OF_MEMORY, adopt, error_info, run_code, run_script, unwrap
 from .worker_control import flush_streams, write_marker
 from .worker_group import GroupKeeper, layout
-from .worker_seq import call_group
+from .worker_seq import call_group, call_shape
 
 __all__ = ["CellInterrupts", "CellRunner"]
 
@@ -144,10 +144,11 @@ class CellRunner:
         idle, cell = not self.running, self.cell
         frame = None if idle else sys._current_frames().get(self.main_ident)
         frames = S.frames_of(frame) if frame is not None else ()
-        places, on = self.group.positions(), call_group(frame)
+        places, on, shape = self.group.positions(), call_group(frame), call_shape(frame)
         after = (cell or 0) if idle and not self.running and self.cell == cell else None
         del frame
-        self.send(P.Stacks(frames, self.cell if self.running else None, (after, places, on)))
+        said = (after, places, on, shape)
+        self.send(P.Stacks(frames, self.cell if self.running else None, said))
 
     def on_abort_group(self, msg: P.AbortGroup, inbox_put: Callable[[object], None]) -> None:
         if self.running and msg.cell == self.cell:

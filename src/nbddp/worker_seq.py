@@ -21,7 +21,7 @@ from types import FrameType
 
 import torch.distributed as dist
 
-__all__ = ["Position", "call_group", "install", "positions"]
+__all__ = ["Position", "call_group", "call_shape", "install", "positions"]
 
 # (group name, its members' global ranks, () for the default group; operations issued;
 #  True when a point-to-point operation went through it)
@@ -80,14 +80,40 @@ def positions() -> tuple[Position, ...]:
     return tuple(out)
 
 
+# collectives whose tensor must be the same size and dtype on every member, and the
+# argument that holds it (all_to_all, gather, scatter... may differ by design: not read)
+_SAME_SHAPE = {
+    "all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor", "all_gather": "tensor",
+    "all_gather_into_tensor": "input_tensor", "reduce_scatter_tensor": "input",
+}  # fmt: skip
+
+
+def _c10d_frame(frame: FrameType | None) -> FrameType | None:
+    while frame is not None and not frame.f_code.co_filename.endswith("distributed_c10d.py"):
+        frame = frame.f_back
+    return frame
+
+
 def call_group(frame: FrameType | None) -> str | None:
     """The group the torch.distributed call innermost in ``frame``'s stack is on (a
     thread's frame, read from another thread), or None when it is in none."""
-    while frame is not None:
-        if frame.f_code.co_filename.endswith("distributed_c10d.py"):
-            group = frame.f_locals.get("group", None)
-            pg = group if group is not None else dist.group.WORLD
-            name = dist.distributed_c10d._world.pg_names.get(pg)
-            return None if name is None else str(name)
-        frame = frame.f_back
-    return None
+    frame = _c10d_frame(frame)
+    if frame is None:
+        return None
+    group = frame.f_locals.get("group", None)
+    pg = group if group is not None else dist.group.WORLD
+    name = dist.distributed_c10d._world.pg_names.get(pg)
+    return None if name is None else str(name)
+
+
+def call_shape(frame: FrameType | None) -> tuple[int, str] | None:
+    """(elements, dtype) of the tensor the torch.distributed call innermost in ``frame``'s
+    stack passes, for the calls that need the same on every member; read only when a
+    sample finds the rank in one (nothing on the collective's own path)."""
+    frame = _c10d_frame(frame)
+    arg = _SAME_SHAPE.get(frame.f_code.co_name) if frame is not None else None
+    tensor = frame.f_locals.get(arg) if arg else None
+    try:
+        return int(tensor.numel()), str(tensor.dtype).removeprefix("torch.")
+    except Exception:  # not a tensor (a wrapper, a subclass that refuses): not judged
+        return None
