@@ -23,7 +23,7 @@ import time
 import pytest
 
 from helpers import collect, end_all, free_port, namespace_digests
-from nbddp import Pool, PoolClosedError, remote, reports
+from nbddp import CellFailed, Pool, PoolClosedError, remote, reports
 from nbddp.hosts_lost import HostsMissing
 from nbddp.tls import make_server_tls
 
@@ -400,7 +400,7 @@ def refusal(pool, deadline: float) -> str:
     while time.monotonic() < deadline:
         try:
             pool.execute("1")
-        except PoolClosedError as exc:
+        except (PoolClosedError, CellFailed) as exc:  # (a cell that ran as the host went)
             return str(exc)
         time.sleep(0.1)
     return "no cell was refused"
