@@ -16,6 +16,10 @@ each read as the sinks call it, ``flush`` at the end):
 
 It also counts the lines shown: the baseline shows every own line apart and, in the
 training cell, every shared line once per rank; today's shows one line per step each.
+
+Then the live tqdm bars (today's only: the baseline had none): each rank's bar updated
+200 times through ``Folder.output`` (the floor beside it: the same chunks through a
+``Lines`` alone), and ``Folder.bars`` (the one folded bar a render draws) per call.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fold_baseline
 
-from nbddp.fold import Folder
+from nbddp import protocol as P
+from nbddp.fold import Folder, Lines
 
 LINES = 80_000
 
@@ -95,8 +100,44 @@ def main() -> None:
                 f"{after['us_per_line'] / before['us_per_line']:>6.2f} "
                 f"{before['shown']:>13} {after['shown']:>12}"
             )
+    print(f"\n{'bars':>9} {'ranks':>6} {'output us/chunk':>16} {'floor us':>9} {'bars() ms':>10}")
+    for ranks in args.ranks:
+        bars = measure_bars(ranks)
+        rows.append({"cell": "bars", "ranks": ranks, **bars})
+        print(
+            f"{'bars':>9} {ranks:>6} {bars['us_per_chunk']:>16.2f} {bars['floor_us']:>9.2f} "
+            f"{bars['bars_ms']:>10.3f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def measure_bars(ranks: int, updates: int = 200) -> dict:
+    """Every rank's tqdm bar updated ``updates`` times, rank by rank; ``bars()`` after each
+    round, as a render would call it."""
+    chunks = [
+        f"\rtrain: {u // 2:>3}%|{'#' * (u // 20):<10}| {u}/{updates} [00:01<00:01, 9.8it/s]"
+        for u in range(updates)
+    ]
+    events = [P.Output(rank, "stderr", chunk) for chunk in chunks for rank in range(ranks)]
+    floor = {rank: Lines() for rank in range(ranks)}
+    t0 = time.process_time()
+    for event in events:
+        floor[event.rank].feed(event.text)
+    floor_took = time.process_time() - t0
+    f, took, drawn, calls = Folder(range(ranks)), 0.0, 0.0, 0
+    for i in range(0, len(events), ranks):
+        t0 = time.process_time()
+        for event in events[i : i + ranks]:
+            f.output(event)
+        t1 = time.process_time()
+        f.bars()
+        took, drawn, calls = took + t1 - t0, drawn + time.process_time() - t1, calls + 1
+    return {
+        "us_per_chunk": 1e6 * took / len(events),
+        "floor_us": 1e6 * floor_took / len(events),
+        "bars_ms": 1e3 * drawn / calls,
+    }
 
 
 if __name__ == "__main__":

@@ -611,20 +611,27 @@ FOLDED = [
         "    print(f'rank {rank} epoch {epoch} loss {loss.item():.4f}')\n"
         "    print(('ant', 'bee', 'cat', 'dog')[rank], 'checked its batch')\n"
         "    print(f'epoch {epoch} finished')\n"
-        "for i in tqdm(range(20 if rank != 3 else 12), desc='eval', ncols=70):\n"
-        "    time.sleep(0.01)\n"
+        "for i in tqdm(range(20), desc='eval', ncols=70):\n"
+        "    time.sleep(0.01 * (1 + rank))  # rank 3 is the slowest\n"
+        "torch.distributed.barrier()  # the ranks meet again\n"
         "print('training done')"
     ),
     new_markdown_cell(
         "The same cell as the dashboard shows it (the default in a notebook): the log of every "
         "rank folded, each rank's own log with its own lines, and `nbddp.progress` across "
-        "ranks as one bar."
+        "ranks as one bar; while a tqdm bar runs, the log shows one bar, the slowest rank's, "
+        "with how far the others got (each rank's row: its own position), and the finished "
+        "bars fold into one line. Click a folded line for each rank's values."
     ),
     new_code_cell(
         "%%ddp\n"
         "import nbddp, time\n"
+        "from tqdm import tqdm\n"
+        "for i in tqdm(range(30), desc='eval', ncols=70):\n"
+        "    time.sleep(0.01 * (1 + rank))\n"
         "for step in nbddp.progress(range(40 + 4 * rank), desc='steps'):\n"
         "    time.sleep(0.005)\n"
+        "torch.distributed.barrier()\n"
         "print(f'rank {rank} took {40 + 4 * rank} steps')\n"
         "print('steps done')"
     ),

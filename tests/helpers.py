@@ -21,6 +21,26 @@ import psutil
 from nbddp import protocol as P
 
 
+def iopub_until_idle(kc, code: str, timeout: float = 60):
+    """Run ``code`` in a kernel; yield the iopub messages it caused (``(type, content)``)
+    until the kernel is idle again. One loop for every test that reads a kernel's output."""
+    import queue
+
+    msg_id = kc.execute(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError(f"no idle after {timeout} s") from None
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "status" and content["execution_state"] == "idle":
+            return
+        yield kind, content
+
+
 def healthy(pool):
     """``pool`` ready for a test: restarted if a death or a stop left it so, no old notes."""
     if pool.needs_restart or not pool.started:

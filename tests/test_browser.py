@@ -9,6 +9,7 @@ installs all three (.ci/run). A screenshot is kept in artifacts/.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,6 @@ from browser_kit import (
     run_all,
     screenshot_after,
     svg_class,
-    svg_points,
 )
 
 pytestmark = SKIPS
@@ -253,76 +253,80 @@ def test_a_rank_of_four_killed_in_a_collective_is_replaced_and_the_next_cell_run
         page.screenshot(path=str(ARTIFACTS / "replaced-rank-notebook.png"), clip=clip)
 
 
-# -- the README's picture (scripts/screenshot.sh): a real dashboard, all four things in view
+# -- the README's picture (scripts/screenshot.sh): a real training cell, all in view
 
 CELLS_SHOWCASE = [
     "%load_ext nbddp",
     "%%ddp -n 4\n"
-    "import math, time, torch.distributed as dist, nbddp\n"
-    "for step in range(300):\n"
-    "    loss = (1 + 0.1 * rank) * math.exp(-step / 70) + 0.03 * math.sin(step / 5 + 2 * rank)\n"
-    "    nbddp.log_metrics({'loss': loss + 0.05}, step=step)\n"
-    "    if step % 100 == 99:\n"
-    "        mean = torch.tensor([loss])\n"
-    "        dist.all_reduce(mean)\n"
-    "        print(f'epoch {step // 100}: mean loss {mean.item() / world_size:.4f}')\n"
-    "    time.sleep(0.01)\n"
-    "if rank == 2:\n"
-    "    raise OSError(28, 'No space left on device', f'/ckpt/shard-{rank}.pt')\n"
+    "import math, time, torch, torch.distributed as dist, nbddp\n"
+    "from tqdm import tqdm\n"
+    "for epoch in range(3):\n"
+    "    for step in tqdm(range(100), desc=f'epoch {epoch}', mininterval=0.1):\n"
+    "        s = epoch * 100 + step\n"
+    "        loss = (1 + 0.1 * rank) * math.exp(-s / 70) + 0.03 * math.sin(s / 5 + 2 * rank)\n"
+    "        nbddp.log_metrics({'loss': loss + 0.05}, step=s)\n"
+    "        time.sleep(0.02 * (1 + 0.5 * rank))  # rank 3 is the slowest\n"
+    "    mean = torch.tensor([loss])\n"
+    "    dist.all_reduce(mean)  # the ranks meet at the end of each epoch\n"
+    "    print(f'rank {rank} epoch {epoch} loss {loss + 0.05:.4f}')\n"
+    "    print(f'epoch {epoch}: mean loss {mean.item() / world_size:.4f}')\n"
     "print('checkpoint saved')",
 ]
 
 
+def picture(name: str) -> Path:
+    """Where a picture goes: docs/img/ with NBDDP_SCREENSHOT set (scripts/screenshot.sh),
+    else artifacts/."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    if os.environ.get("NBDDP_SCREENSHOT"):
+        return ARTIFACTS.parent / "docs" / "img" / name
+    return ARTIFACTS / name
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lab", [CELLS_SHOWCASE], indirect=True)
-def test_screenshot_of_a_dashboard_with_a_folded_log_a_chart_and_a_failed_rank(lab, browser):
-    """NBDDP_SCREENSHOT=docs/img/dashboard.png writes the README's picture there; without
-    it, to artifacts/. The cell's output once it ended: the rows (rank 2 red), the loss of
-    every rank, the folded log opened, the error."""
+def test_a_training_cell_shows_one_folded_bar_and_a_folded_lines_values_a_click_away(lab, browser):
+    """Live: the ranks' tqdm bars as one, the slowest rank named (docs/img/folded-bar.png);
+    a folded line's per-rank values a click (and a hover) away. Frozen: the same values on
+    hover; the README's picture (docs/img/dashboard.png)."""
     expect = playwright.expect
     url, _ = lab
-    ARTIFACTS.mkdir(exist_ok=True)
-    target = Path(os.environ.get("NBDDP_SCREENSHOT") or ARTIFACTS / "dashboard-showcase.png")
-    if not target.is_absolute():
-        target = ARTIFACTS.parent / target
     page = browser.new_page(viewport={"width": 1000, "height": 1400}, device_scale_factor=2)
     try:
         cell = run_all(page, url)
         page.evaluate(
             "() => { window.jupyterapp.commands.execute('application:toggle-left-area'); }"
         )
+        live = cell.locator(".nbddp-dashboard.nbddp-live")
+        bar = live.locator(".nbddp-bar-live")
+        expect(bar).to_contain_text("(slowest: rank", timeout=120_000)
+        expect(bar).to_have_count(1)  # one bar, not one per rank
+        expect(live.locator(".nbddp-ranks")).not_to_contain_text("%|")  # rows: positions
+        live.screenshot(path=str(picture("folded-bar.png")))
+        # a folded line: its values on hover (title) and below it on a click
+        loss = live.locator(".nbddp-folded", has_text="epoch 0 loss {")
+        expect(loss).to_have_count(1, timeout=60_000)
+        expect(loss).to_contain_text(re.compile(r"loss \{[\d.]+\.\.[\d.]+, (max|min) rank \d\}"))
+        assert "rank 3: 3 0 " in loss.get_attribute("title")
+        loss.click()
+        values = live.locator(".nbddp-values")
+        expect(values).to_contain_text("loss lowest", timeout=5_000)
+        expect(values).to_contain_text("rank 2: 2 0 ")
+        page.screenshot(path=str(ARTIFACTS / "folded-values.png"))
         frozen = frozen_dashboard(cell)
-        error = cell.locator(
-            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
-        )
-        expect(error).to_contain_text("rank 2: OSError: [Errno 28] No space left on device")
-        # the rows: rank 2 failed, red, the others done
-        expect(frozen.locator(".nbddp-row")).to_have_count(4)
-        failed = frozen.locator(".nbddp-row.nbddp-failed")
-        expect(failed).to_have_count(1)
-        assert failed.get_attribute("data-rank") == "2"
-        tint = failed.evaluate("e => getComputedStyle(e).backgroundColor")
-        assert tint == "rgba(198, 40, 40, 0.15)"
-        expect(frozen.locator(".nbddp-row.nbddp-done")).to_have_count(3)
-        # the loss of every rank: drawn, a line each, none red (a failed rank's colour)
-        loss, root = frozen_chart(frozen, "loss")
+        log = frozen.locator("details.nbddp-log-all")
+        expect(log).to_have_attribute("open", "")
+        folded = log.locator(".nbddp-folded", has_text="epoch 2 loss {")
+        folded.hover()
+        assert "rank 1: 1 2 " in folded.get_attribute("title")
+        expect(log).to_contain_text("[0-3] epoch 2: mean loss")
+        expect(log).to_contain_text(re.compile(r"\[0-3\] epoch 2: 100%\|[#█]+\| 100/100"))
+        expect(log).to_contain_text("[0-3] checkpoint saved")
+        loss_chart, root = frozen_chart(frozen, "loss")
         lines = svg_class(root, "nbddp-line")
         assert [e.get("data-label") for e in lines] == [f"rank {r}" for r in range(4)]
-        assert [svg_points(e) for e in lines] == [300] * 4
-        assert "#d62728" not in [e.get("stroke").lower() for e in lines]
-        # the folded log: closed when a rank failed; opened for the picture
-        everyone = frozen.locator("details.nbddp-log-all")
-        everyone.locator("summary").click()
-        log = everyone.locator(".nbddp-pane")
-        for epoch in range(3):
-            expect(log).to_contain_text(f"[0-3] epoch {epoch}: mean loss")
-        expect(log).to_contain_text("[0-1,3] checkpoint saved")
-        expect(log).to_be_visible()
-        own = frozen.locator("details.nbddp-log[data-rank='2']")  # open, as a failed rank's
-        expect(own).to_have_attribute("open", "")
-        own.locator("summary").click()  # closed: the error shows below anyway
         outputs = cell.locator(".jp-Cell-outputArea")
-        for shown in (failed, loss, log, error):
+        for shown in (loss_chart, log):
             expect(shown).to_be_in_viewport()
         box = outputs.bounding_box()  # the outputs, not the empty prompt column left of them
         left = outputs.locator(".jp-OutputArea-output").first.bounding_box()["x"] - 8
@@ -332,6 +336,7 @@ def test_screenshot_of_a_dashboard_with_a_folded_log_a_chart_and_a_failed_rank(l
             "width": box["x"] + box["width"] - left,
             "height": box["height"] + 8,
         }
+        target = picture("dashboard.png")
         page.screenshot(path=str(target), clip=clip)
         print(f"screenshot: {target}")
     finally:

@@ -106,7 +106,7 @@ BAR_COLOURS_JS = """pre => [getComputedStyle(pre).color, ...[...pre.querySelecto
 
 def plain_bar(log, where: str) -> None:
     """A tqdm bar (on stderr) in ``log`` has the log's own colour, not stderr's red."""
-    pre = log.locator(".nbddp-pane pre")
+    pre = log.locator(".nbddp-pane pre").first  # the lines (live: the running bars below)
     expect(pre).to_contain_text("train: 100%|##########| 10/10")
     own, *bars = pre.evaluate(BAR_COLOURS_JS)
     assert all(c == own for c in bars), f"{where}: a tqdm bar shown as an error: {own} {bars}"

@@ -7,6 +7,7 @@ import pytest
 
 from nbddp import protocol as P
 from nbddp.dashboard import Dashboard, TextSink
+from nbddp.fold import rank_set
 from nbddp.theme import FAILED_ROW, MUTED, state_colour
 
 
@@ -437,4 +438,72 @@ def test_nbddp_progress_of_ranks_at_different_speeds_folds_into_one_bar(n):
     assert "width:45%" in rows
     assert f"({n} ranks; slowest: rank 1; the others up to 60)" in rows
     assert "train 45/100" in rows
+    for rank in range(n):  # every rank at its end, the totals apart: all done, no slowest
+        d.handle(P.RankProgress(rank, 40 + rank, 40 + rank, "train"))
+    d._render(force=True)
+    assert f"({n} ranks; all done)" in d.widget.rows
     d.close(None)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_running_tqdm_bars_show_once_in_the_log_and_each_row_its_position(n):
+    """One live bar in the log, the slowest rank's, named, with its ranks' positions to point
+    at; each row shows its rank's position, not a bar of its own."""
+    d, clock = dashboard(ranks=range(n))
+    start(d, range(n))
+    bar = "\rtrain: {:>3}%|{:<10}| {}/10 [00:01<00:01,  9.8it/s]"
+    for rank in range(n):
+        done = 9 if rank else 4
+        d.handle(P.Output(rank, "stderr", bar.format(done * 10, "#" * done, done)))
+    clock.t = 1.0
+    d._render(force=True)
+    ((ranks, stream, text, values),) = d.widget.bars
+    assert (ranks, stream) == (f"0-{n - 1}", "progress")
+    assert text == bar.format(40, "####", 4)[1:] + "  (slowest: rank 0; the others up to 9)"
+    assert values.splitlines()[:2] == ["rank 0: 4/10", "rank 1: 9/10"]
+    assert "%|" not in d.widget.rows  # a row: its position
+    assert d.widget.rows.count(">9/10</span>") == n - 1
+    d.handle(P.Output(1, "stderr", bar.format(100, "#" * 10, 10) + "\n"))
+    d._render(force=True)  # its bar waits for rank 0's to fold; its row says where it is
+    assert "<span class='nbddp-progress'>10/10</span>" in d.widget.rows
+    for rank in (r for r in range(n) if r != 1):
+        d.handle(P.Output(rank, "stderr", bar.format(100, "#" * 10, 10) + "\n"))
+    clock.t = 2.0
+    d._render(force=True)
+    assert d.widget.bars == []
+    assert [(rank_set(g.ranks), g.text) for g in d.log] == [
+        (f"0-{n - 1}", bar.format(100, "#" * 10, 10)[1:])
+    ]
+    d.close(None)
+
+
+def test_text_says_nbddp_progress_folded_at_a_bounded_rate_and_where_it_ended():
+    """--text: one line for every rank's bar, the slowest named, when its whole percent
+    moved and a second passed; the end said once; --no-fold: each rank's own."""
+    clock = Clock()
+    sink, out, _ = make(clock=clock)
+    for step in range(1, 301):  # 3 s, two ranks at different speeds
+        clock.t = step / 100
+        sink.handle(P.RankProgress(0, step, 300, "train"))
+        sink.handle(P.RankProgress(1, step // 2, 300, "train"))
+    sink.close(P.CellEnd(1, (0, 1)))
+    said = out.getvalue().splitlines()
+    assert len(said) == 3, said  # after 1 s, 2 s, and the end
+    for line in said[:2]:
+        assert re.fullmatch(
+            r"\[ranks 0-1\] train (\d+)/300 \(\d+%\)  \(slowest: rank 1; "
+            r"the others up to \d+\)",
+            line,
+        ), said
+    assert said[-1] == "[ranks 0-1] train 150/300 (50%)  (slowest: rank 1; the others up to 300)"
+    sink, out, _ = make(clock=clock)  # every rank at its end (totals apart): no slowest
+    running(sink, range(2))
+    for rank in range(2):
+        sink.handle(P.RankProgress(rank, 40 + rank, 40 + rank, "steps"))
+    sink.close(P.CellEnd(1, (0, 1)))
+    assert out.getvalue().splitlines() == ["[ranks 0-1] steps 40/40 (100%)"]
+    sink, out, _ = make(clock=clock, fold=False)
+    for rank in range(2):
+        sink.handle(P.RankProgress(rank, 10, 10, "train"))
+    sink.close(P.CellEnd(1, (0, 1)))
+    assert out.getvalue().splitlines() == [f"[rank {r}] train 10/10 (100%)" for r in range(2)]

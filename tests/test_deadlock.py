@@ -436,6 +436,26 @@ def test_the_dashboard_row_shows_each_ranks_count_and_names_the_one_behind():
     assert "behind: #1190 of #1208" in board.widget.rows  # the frozen cell keeps it
 
 
+def test_ranks_that_finished_the_cell_are_behind_no_one():
+    """A count is a sample taken while the rank ran: once every rank is done, no row
+    says "behind" or shows a stale count (it did, in the README's picture)."""
+    from nbddp import protocol as P
+    from nbddp.dashboard import Dashboard
+
+    now = [100.0]
+    board = Dashboard([0, 1, 2], world_size=3, clock=lambda: now[0], interval=0)
+    board.handle(P.RankStates((0, 1, 2), "running"))
+    for rank, count in ((0, 3), (1, 3), (2, 2)):
+        board.handle(P.RankWhere(rank, "cell line 2", None, 99.0, count))
+    now[0] += 2.5
+    board.handle(P.RankWhere(2, "cell line 2", None, 99.0, 2))
+    assert "behind: #2 of #3" in board.widget.rows
+    board.handle(P.RankStates((0, 1, 2), "done"))
+    board.close(P.CellEnd(1, (0, 1, 2)))
+    assert "behind" not in board.widget.rows
+    assert "collective #" not in board.widget.rows
+
+
 @pytest.mark.timeout(120)
 def test_256_simulated_ranks_finishing_apart_are_never_taken_for_one():
     """The watch at scale: the ranks of one simulated process finish 0.6 s before those

@@ -62,7 +62,7 @@ def test_lines_that_differ_only_in_numbers_fold_with_their_values():
     f, out = Folder(range(4)), []
     for rank, loss in [(2, "0.9633"), (0, "0.3333"), (3, "0.5"), (1, "0.4")]:
         out += f.feed(rank, "stdout", f"rank {rank} epoch 2 loss {loss}", 0.0)
-    assert lines(out) == [("ranks 0-3", "rank {0-3} epoch 2 loss {0.3333..0.9633}")]
+    assert lines(out) == [("ranks 0-3", "rank {0-3} epoch 2 loss {0.3333..0.9633, max rank 2}")]
     detail = out[0].detail.splitlines()
     assert detail[0] == "loss lowest 0.3333 on rank 0, highest 0.9633 on rank 2"
     assert detail[1:] == [
@@ -82,7 +82,7 @@ def test_integers_that_differ_show_as_their_set_and_many_as_their_range():
     f, out = Folder(range(64)), []
     for rank in range(64):
         out += f.feed(rank, "stdout", f"seen {rank * 7}", 0.0)
-    assert lines(out) == [("ranks 0-63", "seen {0..441}")]
+    assert lines(out) == [("ranks 0-63", "seen {0..441, max rank 63}")]
 
 
 def test_lines_that_differ_stay_apart_and_come_out_in_rank_order():
@@ -148,6 +148,62 @@ def test_tqdm_bars_of_ranks_at_different_speeds_fold_into_the_slowest_ranks_bar(
     for rank in range(2):
         out += f.feed(rank, "stderr", shown[0], 0.0)
     assert lines(out) == [("ranks 0-1", shown[0])]  # all at one place: the bar as it reads
+
+
+@pytest.mark.parametrize("n", [3, 8, 64])
+def test_a_range_names_the_rank_at_its_outlying_end_and_no_fold_keeps_each_value(n):
+    """The rank far from the others is named in the line itself (the outlier end: the
+    one further from the median), low or high."""
+    for odd, value, named in [(n - 1, "0.10", "min"), (n // 2, "9.90", "max")]:
+        f, out = Folder(range(n)), []
+        for rank in range(n):
+            loss = value if rank == odd else f"0.5{rank % 10}"
+            out += f.feed(rank, "stdout", f"loss {loss}", 0.0)
+        others = [f"0.5{r % 10}" for r in range(n) if r != odd]
+        low, high = ("0.10", max(others)) if named == "min" else (min(others), "9.90")
+        assert lines(out) == [(f"ranks 0-{n - 1}", f"loss {{{low}..{high}, {named} rank {odd}}}")]
+    f, out = Folder(range(2)), []  # two ranks: as far from their mean, the max is named
+    for rank in range(2):
+        out += f.feed(rank, "stdout", f"loss 0.{rank + 1}", 0.0)
+    assert lines(out) == [("ranks 0-1", "loss {0.1..0.2, max rank 1}")]
+    f = Folder(range(n), window=0)  # --no-fold: every line as printed
+    out = [g for rank in range(n) for g in f.feed(rank, "stdout", f"loss 0.5{rank % 10}", 0.0)]
+    assert lines(out) == [(f"rank {r}", f"loss 0.5{r % 10}") for r in range(n)]
+
+
+def bar_chunk(n: int, total: int = 10, end: str = "") -> str:
+    """tqdm's bar at ``n`` of ``total``, as it writes it (a carriage return first)."""
+    filled = "#" * (n * 10 // total)
+    return f"\rtrain: {100 * n // total:>3}%|{filled:<10}| {n}/{total} [00:01<00:01,  9.8it/s]{end}"
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_running_tqdm_bars_fold_live_into_the_slowest_ranks_and_finish_as_one_line(n):
+    """While bars run: one folded bar, the slowest rank's, named with the spread, its
+    ranks' positions one point away; a rank that finished first waits for the others'
+    bars, so the finished bar is one line, not n."""
+    f = Folder(range(n))
+    for rank in range(n):
+        assert f.output(P.Output(rank, "stderr", bar_chunk(9 - rank % 3))) == []
+    (live,) = f.bars()
+    slow = max(range(n), key=lambda r: (r % 3, -r))
+    assert live.ranks == list(range(n))
+    assert live.text.endswith(f"(slowest: rank {slow}; the others up to 9)")
+    assert f"{9 - slow % 3}/10 [" in live.text
+    assert live.detail.splitlines()[0] == "rank 0: 9/10"
+    out = []
+    for rank in range(n):  # the ranks finish one by one, long after the window
+        f.clock = lambda rank=rank: 100.0 + rank
+        out += f.output(P.Output(rank, "stderr", bar_chunk(10, end="\n")))
+        if rank < n - 1:
+            assert out == []
+            assert f.bars()[0].ranks == list(range(n))
+    assert lines(out) == [(f"ranks 0-{n - 1}", bar_chunk(10)[1:])]
+    assert f.bars() == []
+    f = Folder(range(n), window=0)  # --no-fold: each rank's bar
+    for rank in range(n):
+        f.output(P.Output(rank, "stderr", bar_chunk(rank % 10)))
+    assert [(g.ranks, g.text) for g in f.bars()] == [([r], bar_chunk(r % 10)[1:]) for r in range(n)]
 
 
 def test_window_zero_folds_nothing():
@@ -344,7 +400,7 @@ def test_lines_of_long_digit_runs_fold_without_a_huge_integer():
     for rank in range(2):
         out += f.feed(rank, "stdout", str(rank + 1) * 20_000, 0.0)
     assert len(out) == 1
-    assert out[0].text.startswith("{" + "1" * 24 + ".." + "2" * 24 + "}")
+    assert out[0].text.startswith("{" + "1" * 24 + ".." + "2" * 24 + ", max rank 1}")
     assert out[0].detail.startswith("# lowest " + "1" * 24 + " on rank 0")
 
 

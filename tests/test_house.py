@@ -27,6 +27,7 @@ FRONT = {
     "magics", "options", "session", "prompts", "autocapture", "attaching", "api",
     "dashboard", "dashboard_html", "dashboard_widget", "sinks", "fold", "fold_shape", "export",
     "demo", "remote", "detaching", "reports", "magics_pool", "metric_store", "charts", "theme",
+    "fold_group", "fold_lines", "progress_fold",
 }  # fmt: skip
 WORKER = {
     "worker", "worker_control", "worker_group", "worker_shims", "worker_cell",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import os
-import queue
 import re
 import signal
 import time
@@ -13,7 +12,7 @@ import time
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-from helpers import DetachedFamily, wait_gone
+from helpers import DetachedFamily, iopub_until_idle, wait_gone
 from nbddp import detached_client
 from nbddp.errors import NbddpError
 
@@ -29,6 +28,7 @@ class Reply:
         self.comm_msgs = 0
         self.iopub = 0
         self.kinds: list[str] = []  # iopub message types, in order
+        self.states: list[dict] = []  # the widget states the comm messages sent, in order
 
     @property
     def html(self) -> str:
@@ -41,31 +41,26 @@ class Reply:
 
 def execute(kc, code: str, timeout: float = 60, on_output=None) -> Reply:
     """Run ``code``; gather stream output and the error until the kernel is idle again."""
-    msg_id = kc.execute(code)
     reply = Reply()
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            raise TimeoutError(f"no idle after {timeout} s; so far: {reply.text!r}") from None
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        kind, content = msg["msg_type"], msg["content"]
-        reply.iopub += 1
-        reply.kinds.append(kind)
-        if kind in ("display_data", "update_display_data"):
-            reply.displays.append(content["data"])
-        elif kind == "comm_msg":
-            reply.comm_msgs += 1
-        elif kind == "stream":
-            setattr(reply, content["name"], getattr(reply, content["name"]) + content["text"])
-            if on_output:
-                on_output(reply)
-        elif kind == "error":
-            reply.error = content
-        elif kind == "status" and content["execution_state"] == "idle":
-            return reply
+    try:
+        for kind, content in iopub_until_idle(kc, code, timeout):
+            reply.iopub += 1
+            reply.kinds.append(kind)
+            if kind in ("display_data", "update_display_data"):
+                reply.displays.append(content["data"])
+            elif kind == "comm_msg":
+                reply.comm_msgs += 1
+                reply.states.append(content["data"].get("state", {}))
+            elif kind == "stream":
+                name = content["name"]
+                setattr(reply, name, getattr(reply, name) + content["text"])
+                if on_output:
+                    on_output(reply)
+            elif kind == "error":
+                reply.error = content
+    except TimeoutError:
+        raise TimeoutError(f"no idle after {timeout} s; so far: {reply.text!r}") from None
+    return reply
 
 
 def ready_ranks(stdout: str) -> set[int]:

@@ -5,11 +5,11 @@ own loss line, then a shared line) folds live in the widget, in the frozen cell 
 from __future__ import annotations
 
 import html
-import queue
 import re
-import time
 
 import pytest
+
+from test_kernel import execute
 
 pytestmark = pytest.mark.kernel
 
@@ -35,30 +35,10 @@ print("training done")
 def run(kc, code: str, timeout: float = 120) -> tuple[dict, list[list], str]:
     """Run ``code``: the error (if any), every live ``lines`` state the widget was sent, and
     the text the cell printed plus the HTML it displayed last (the frozen cell)."""
-    msg_id = kc.execute(code)
-    lines: list[list] = []
-    text, shown, error = "", "", None
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            raise TimeoutError(f"no idle after {timeout} s; so far: {text!r}") from None
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "comm_msg":
-            state = content["data"].get("state", {})
-            if "lines" in state:
-                lines = state["lines"]
-        elif kind in ("display_data", "update_display_data"):
-            shown = content["data"].get("text/html", shown)
-        elif kind == "stream":
-            text += content["text"]
-        elif kind == "error":
-            error = content
-        elif kind == "status" and content["execution_state"] == "idle":
-            return error, lines, text + shown
+    reply = execute(kc, code, timeout)
+    lines = [state["lines"] for state in reply.states if "lines" in state]
+    shown = [d["text/html"] for d in reply.displays if "text/html" in d]
+    return reply.error, lines[-1] if lines else [], reply.text + (shown[-1] if shown else "")
 
 
 def test_the_training_cell_folds_live_frozen_and_in_text_and_no_fold_keeps_each_line(kernel):
@@ -74,7 +54,10 @@ def test_the_training_cell_folds_live_frozen_and_in_text_and_no_fold_keeps_each_
     frozen = html.unescape(re.sub(r"<[^>]+>", "", page))
     for epoch in range(2):  # the log of every rank, folded
         assert frozen.count(f"[0-3] epoch {epoch} finished") == 1, frozen
-        loss = rf"\[0-3\] rank \{{0-3\}} epoch {epoch} loss \{{[\d.]+\.\.[\d.]+\}}"
+        # the values' range, the rank at its outlying end named
+        loss = (
+            rf"\[0-3\] rank \{{0-3\}} epoch {epoch} loss \{{[\d.]+\.\.[\d.]+, (max|min) rank \d\}}"
+        )
         assert re.search(loss, frozen)
     assert frozen.count("[0-3] training done") == 1
     assert not re.search(r"\[\d\] (epoch|training)", frozen)
@@ -113,3 +96,47 @@ def test_one_error_on_every_rank_is_one_traceback_and_another_error_stays_apart(
     assert re.fullmatch(
         r"ranks 0, 1, 3: KeyError: (\d) \(rank \1's message; the others' differ\)", then
     )
+
+
+BARS = """%%ddp -n 4
+import time
+from tqdm import tqdm
+for i in tqdm(range(12), desc="train", mininterval=0, miniters=1):
+    time.sleep(0.06 * (rank + 1))  # rank 3 is the slowest
+print("training done")
+"""
+
+PROGRESS = """%%ddp -n 4 --text
+import time, nbddp
+for i in nbddp.progress(range(12), desc="steps", every=0.05):
+    time.sleep(0.06 * (rank + 1))
+"""
+
+
+def test_tqdm_bars_of_ranks_at_different_speeds_are_one_bar_live_and_frozen_and_in_text(kernel):
+    """Live: the log's one bar is the slowest rank's, named, with the spread, and the rows
+    show positions, not bars; frozen: one finished bar; --text: nbddp.progress folded."""
+    pytest.importorskip("tqdm")
+    _, kc = kernel
+    assert run(kc, "%load_ext nbddp")[0] is None
+    reply = execute(kc, BARS, 120)
+    assert reply.error is None, reply.text
+    bars = [state["bars"] for state in reply.states if state.get("bars")]
+    assert bars, "no live bar was drawn"
+    assert all(len(b) == 1 for b in bars), bars  # one bar, not one per rank
+    ranks, stream, text, values = bars[-1][0]
+    assert (ranks, stream) == ("0-3", "progress")
+    assert re.search(r"^train: +\d+%\|.*\(slowest: rank 3; the others up to 1[12]\)$", text)
+    assert values.splitlines()[3].startswith("rank 3: ")  # each rank's position, pointed at
+    rows = [state["rows"] for state in reply.states if "rows" in state]
+    assert not any("%|" in r for r in rows)  # a row shows its rank's position
+    assert any(re.search(r">\d+/12</span>", r) for r in rows)
+    frozen = html.unescape(re.sub(r"<[^>]+>", "", reply.html))
+    assert len(re.findall(r"\[0-3\] train: 100%\|", frozen)) == 1, frozen
+    assert not re.search(r"\[\d\] train:", frozen)
+    error, _, text = run(kc, PROGRESS)
+    assert error is None, text
+    said = [line for line in text.splitlines() if "steps" in line]
+    assert said[-1] == "[ranks 0-3] steps 12/12 (100%)", said
+    assert all(line.startswith("[ranks 0-3] steps ") for line in said), said
+    assert any(line.endswith(")") and "(slowest: rank 3; the others up to" in line for line in said)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbclient
@@ -15,6 +16,16 @@ REQUIRES = {
     "10-accelerate.ipynb": "accelerate",
     "11-lightning.ipynb": "lightning",
     "12-transformers.ipynb": "transformers",
+}
+
+# what a notebook's outputs must show (regular expressions), besides running
+SHOWS = {
+    "06-folded-output.ipynb": [  # folded lines with their values, and folded bars
+        r"\[ranks 0-3\] rank \{0-3\} epoch 1 loss \{[\d.]+\.\.[\d.]+, (max|min) rank \d\}",
+        r"\[ranks 0-3\] eval: 100%\|.*\| 20/20",
+        r"\[0-3\] eval: 100%\|.*\| 30/30",
+        r"\[ranks 0-3\] epoch 1 finished",
+    ],
 }
 
 pytestmark = pytest.mark.kernel
@@ -40,6 +51,8 @@ def test_notebook_runs_without_errors(path, tmp_path, monkeypatch):
     shown = "".join(o.get("text", "") + o.get("data", {}).get("text/html", "") for o in outputs)
     assert "rank 0" in shown
     assert "rank 1" in shown
+    for pattern in SHOWS.get(path.name, []):
+        assert re.search(pattern, shown), pattern
 
 
 def test_saved_notebooks_carry_their_outputs_with_static_dashboards():

@@ -1,7 +1,9 @@
 // nbddp's live dashboard (an anywidget view): the header and the rank rows come from the
 // kernel as HTML (the same HTML a finished cell keeps), the metric charts as inline SVG (a
 // finished cell keeps the same SVG, as images); the folded log is drawn here, for
-// every rank or for one, picked in the list or by clicking a row.
+// every rank or for one, picked in the list or by clicking a row. A folded line's values
+// (each rank's) show when it is pointed at, and below it when it is clicked; the tqdm
+// bars running now come last, one per description, folded.
 
 function ranges(set) {
   // "0-3,5" -> [[0, 3], [5, 5]]
@@ -33,11 +35,15 @@ function render({ model, el }) {
   note.className = "nbddp-dropped";
   const pre = document.createElement("pre");
   pre.style.cssText = "margin:0;white-space:pre-wrap";
-  pane.append(note, pre);
+  const barsPre = document.createElement("pre"); // the bars running now, below the lines
+  barsPre.className = "nbddp-bars";
+  barsPre.style.cssText = "margin:0;white-space:pre-wrap";
+  pane.append(note, pre, barsPre);
   root.append(header, rows, charts, controls, pane);
   el.append(root);
 
   let shown = null; // the rank whose lines the log shows; null: every rank, folded
+  const opened = new Set(); // the folded lines whose values show below them (clicked)
 
   const drawChoices = () => {
     const options = [new Option("all ranks", "")];
@@ -52,24 +58,44 @@ function render({ model, el }) {
   const drawCharts = () => {
     charts.innerHTML = model.get("charts");
   };
-  const drawLog = () => {
-    const atEnd = pane.scrollHeight - pane.scrollTop - pane.clientHeight < 8;
+  const drawLines = (target, rows, live) => {
+    // rows of [rank set, stream, text, values]: a folded line's values on hover, and
+    // below it once clicked
     const lines = document.createDocumentFragment();
-    for (const [ranks, stream, text, values] of model.get("lines")) {
+    for (const [ranks, stream, text, values] of rows) {
       if (shown !== null && !holds(ranks, shown)) continue;
       const line = document.createElement("span");
       line.className = values ? "nbddp-line nbddp-folded" : "nbddp-line";
-      if (values) line.title = values; // each rank's numbers, the extremes named first
+      if (live) line.classList.add("nbddp-bar-live");
       if (stream === "stderr") line.classList.add("nbddp-stderr"); // coloured by _css
       line.textContent = `${shown === null ? `[${ranks}] ` : ""}${text}\n`;
       lines.append(line);
+      if (!values) continue;
+      line.title = values; // each rank's numbers, the extremes named first
+      line.dataset.key = live ? "bar" : `${ranks}\n${text}`; // a bar's text changes
+      if (!opened.has(line.dataset.key)) continue;
+      const each = document.createElement("span");
+      each.className = "nbddp-values";
+      each.textContent = values.replace(/^/gm, "    ") + "\n";
+      lines.append(each);
     }
-    pre.replaceChildren(lines);
+    target.replaceChildren(lines);
+  };
+  const atEnd = () => pane.scrollHeight - pane.scrollTop - pane.clientHeight < 8;
+  const drawBars = () => {
+    const end = atEnd();
+    drawLines(barsPre, model.get("bars"), true);
+    if (end) pane.scrollTop = pane.scrollHeight;
+  };
+  const drawLog = () => {
+    const end = atEnd();
+    drawLines(pre, model.get("lines"), false);
+    drawLines(barsPre, model.get("bars"), true);
     const hidden = model.get("hidden");
     note.textContent = hidden
       ? `… ${hidden} earlier lines not shown (more show when the cell ends)`
       : "";
-    if (atEnd) pane.scrollTop = pane.scrollHeight;
+    if (end) pane.scrollTop = pane.scrollHeight;
   };
   const show = (rank) => {
     shown = rank;
@@ -82,6 +108,13 @@ function render({ model, el }) {
   };
 
   choose.addEventListener("change", () => show(choose.value === "" ? null : Number(choose.value)));
+  pane.addEventListener("click", (event) => {
+    const line = event.target.closest(".nbddp-folded");
+    if (!line) return;
+    const key = line.dataset.key;
+    if (!opened.delete(key)) opened.add(key);
+    drawLog();
+  });
   rows.addEventListener("click", (event) => {
     const row = event.target.closest("[data-rank]");
     if (row) show(Number(row.dataset.rank));
@@ -93,6 +126,7 @@ function render({ model, el }) {
     ["change:charts", drawCharts],
     ["change:lines", drawLog],
     ["change:hidden", drawLog],
+    ["change:bars", drawBars],
     ["change:focus", focus],
   ];
   for (const [name, handler] of handlers) model.on(name, handler);

@@ -25,6 +25,7 @@ from .charts import charts_html, named, summary_line
 from .dashboard_html import FAILED_STATES, STATE_COLOURS
 from .dashboard_widget import flush_only_pending, new_widget
 from .fold import Folder, Group, Lines, rank_set
+from .fold_shape import bar_count
 from .metric_store import CellMetrics
 from .sinks import FOLD_WINDOW, Sink, TextSink, show_rich
 
@@ -152,9 +153,23 @@ class Dashboard:
         if view is None:  # a rank outside the cell printed (a background thread)
             view = self.views[event.rank] = H.RankView(self.keep)
         self._take(self._fold.output(event))
+        end = event.text.rfind("\n")
+        if end >= 0:  # a bar that just ended: its row says so now, not once it folds
+            count = bar_count(Lines.settle(event.text[:end].rsplit("\n", 1)[-1]))
+            view.bar = count or view.bar
         current = self._fold.current(event.rank, event.stream)
         if current:
-            view.last = current
+            self._own_line(view, current)
+
+    @staticmethod
+    def _own_line(view: H.RankView, line: str) -> None:
+        """A rank's row shows its last line; a tqdm bar only as its position (the bar is
+        drawn once, folded, in the log)."""
+        count = bar_count(line)
+        if count is None:
+            view.last = line
+        else:
+            view.bar = count
 
     def _state(self, rank: int, view: H.RankView, event: P.RankState) -> None:
         now = self.clock()
@@ -177,7 +192,7 @@ class Dashboard:
                 if view is not None:
                     view.lines.append(group)
                     view.count += 1
-                    view.last = group.line_at(i)  # its own line, not the folded one
+                    self._own_line(view, group.line_at(i))  # its own, not the folded one
             self._log_dirty = True
 
     # -- rendering
@@ -201,6 +216,9 @@ class Dashboard:
                     for g in itertools.islice(self.log, start, None)
                 ]
                 w.hidden = self.dropped + start
+            w.bars = [  # the bars running now, one per description (sent when they change)
+                [rank_set(g.ranks), "progress", g.text, g.detail] for g in self._fold.bars()
+            ]
             if self.metrics.dirty and (force or now - self._charts_drawn >= self.CHART_INTERVAL):
                 self._charts_drawn, self.metrics.dirty = now, False
                 w.charts = self.charts_html()

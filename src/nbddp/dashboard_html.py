@@ -11,6 +11,7 @@ from . import protocol as P
 from . import theme as T
 from .fold import Group, rank_set
 from .fold_shape import is_progress
+from .progress_fold import slowest_bar, spread
 
 __all__ = ["FAILED_STATES", "STATE_COLOURS", "RankView"]
 
@@ -29,6 +30,7 @@ class RankView:
         self.ended: float | None = None
         self.last = ""
         self.progress: P.RankProgress | None = None
+        self.bar = ""  # its tqdm bar's position, ``45/100`` (the bar shows folded, in the log)
         self.waiting: tuple[str, float] | None = None  # (collective, since) while blocked in it
         self.ops = -1  # collectives it issued on the default group (-1: not known)
         self.ops_at = 0.0  # when that count was first seen
@@ -44,6 +46,8 @@ class RankView:
             return f"waiting in {op}{n} ({now - since:.0f} s){behind}"
         if self.state == "replaced":
             return "dead: new process"
+        if self.state == "done":  # its count was sampled while it ran: it is behind no one
+            return "done"
         return f"{self.state}{n and ', collective' + n}{behind}"
 
     def elapsed(self, now: float) -> float | None:
@@ -100,15 +104,16 @@ def rows_html(views: Views, hosts: dict[int, str], now: float, rows: int) -> str
 def folded_progress_html(views: Views) -> str:
     """Every rank's ``nbddp.progress`` as one bar: the slowest rank's, with how far the
     others got ('' for fewer than two ranks with a bar)."""
-    progress = [(r, v.progress) for r, v in views.items() if v.progress is not None]
+    progress = {r: v.progress for r, v in views.items() if v.progress is not None}
     if len(progress) < 2:
         return ""
-    rank, slow = min(progress, key=lambda rp: (rp[1].done / (rp[1].total or 1), rp[0]))
-    fast = max(p.done for _, p in progress)
-    spread = f"; the others up to {fast}" if fast != slow.done else ""
+    rank, slow, fast = slowest_bar(progress)
+    where = f"slowest: rank {rank}" + (f"; the others up to {fast}" if spread(progress) else "")
+    if all(p.total and p.done >= p.total for p in progress.values()):
+        where = "all done"  # (their totals may differ)
     return (
         f"<div class='nbddp-progress-all'>{progress_html(slow)} "
-        f"<span style='color:#888'>({len(progress)} ranks; slowest: rank {rank}{spread})</span>"
+        f"<span style='color:#888'>({len(progress)} ranks; {where})</span>"
         "</div>"
     )
 
@@ -169,11 +174,15 @@ def _row_html(rank: int, view: RankView, host: str | None, now: float, bars: boo
         f"<td style='{cell};color:{colour};font-weight:bold'>{esc(shown)}</td>"
         "<td style='padding:1px 8px;text-align:right'>"
         f"{'' if elapsed is None else f'{elapsed:.1f} s'}</td>"
-        f"<td style='{cell}'>{progress_html(view.progress, bars)}</td>"
+        f"<td style='{cell}'>{progress_html(view.progress, bars) or _count_html(view.bar)}</td>"
         f"<td style='{cell};{T.CODE_FONT};max-width:60ch;"
         "overflow:hidden;text-overflow:ellipsis;white-space:nowrap'>"
         f"{esc(view.last[-300:])}</td></tr>"
     )
+
+
+def _count_html(count: str) -> str:
+    return f"<span class='nbddp-progress'>{esc(count)}</span>" if count else ""
 
 
 def progress_html(p: P.RankProgress | None, bar: bool = True) -> str:

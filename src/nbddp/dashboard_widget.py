@@ -42,6 +42,7 @@ def _widget_class():
         rows = t.Unicode().tag(sync=True)
         lines = t.List().tag(sync=True)  # [rank set, stream, text, values], the live tail
         hidden = t.Int().tag(sync=True)  # lines before that tail
+        bars = t.List().tag(sync=True)  # the tqdm bars running, folded: as ``lines``
         charts = t.Unicode().tag(sync=True)  # the metric charts, inline SVG
         focus = t.Int(-1).tag(sync=True)  # the rank whose log opens (the first failure)
 

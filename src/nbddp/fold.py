@@ -17,10 +17,14 @@ Of the groups that may come out, the one at the earliest step comes first, then 
 lowest rank: the ranks' own lines of one step read in rank order.
 
 :class:`Folder` takes a cell's events too (``output``, ``state``, ``result``): each
-rank's text chunks become whole lines (:class:`Lines`: a carriage return rewrites
-the line so far), a rank that ends counts its unfinished line as a line, and a
-result shows as ``Out:`` lines. Both sinks (the text sink and the dashboard) fold
+rank's text chunks become whole lines (:mod:`nbddp.fold_lines`: a carriage return
+rewrites the line so far), a rank that ends counts its unfinished line as a line, and
+a result shows as ``Out:`` lines. Both sinks (the text sink and the dashboard) fold
 through it.
+
+tqdm bars fold live too: :meth:`Folder.bars` draws the ranks' unfinished bars of one
+description as one (the slowest rank's, with the spread), and a finished bar waits
+while another rank's same bar still runs, so it comes out as one line.
 """
 
 from __future__ import annotations
@@ -31,134 +35,24 @@ import time
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
-from .fold_shape import bar, detail, rank_set, render, shape
+from .fold_group import Group
+from .fold_lines import PARTIAL_MAX, Lines
+from .fold_shape import rank_set, shape
 
 if TYPE_CHECKING:
     from . import protocol as P
 
-__all__ = ["Folder", "Group", "Lines", "fold_key", "rank_set"]
+__all__ = ["PARTIAL_MAX", "Folder", "Group", "Lines", "fold_key", "rank_set"]
 
 _seq = attrgetter("seq")
 SEARCH = 64  # waiting groups a join or a settle looks through, at most (beyond: no)
+BAR_HOLD = 10.0  # seconds a finished bar waits, at most, for the same bar of other ranks
 
 
 def fold_key(line: str) -> str:
     """What two ranks' lines must share to fold: the line with its numbers taken out
     (a bar: its description)."""
     return shape(line)[0]
-
-
-class Group:
-    """One line as shown: the ranks that printed it, in order of arrival, and each one's
-    numbers (a bar: each one's line); ``text`` is the folded line once it came out."""
-
-    __slots__ = (
-        "at", "born", "key", "low", "nexts", "npred", "order", "out", "ranks", "said", "seq",
-        "stream", "text", "values",
-    )  # fmt: skip
-
-    def __init__(self, seq: int, key: str, stream: str, text: str, born: float, ranks=None) -> None:
-        self.seq, self.key, self.stream, self.text, self.born = seq, key, stream, text, born
-        self.ranks: list[int] = ranks if ranks is not None else []
-        self.values: list = []  # per rank: its numbers, or its line (a bar)
-        # the groups its ranks printed next (while it waits), each once: id -> group
-        self.nexts: dict[int, Group] = {}
-        self.npred = 0  # groups before it still waiting
-        self.order = 0  # its step: above every group before it
-        self.at = 0  # running ranks whose last line it is
-        self.low = ranks[0] if ranks else 1 << 62  # its lowest rank
-        self.out = False
-        self.said: str | None = None  # its detail, once asked (a group out does not change)
-
-    @property
-    def label(self) -> str:
-        """``rank 3`` or ``ranks 0-31``."""
-        if len(self.ranks) == 1:
-            return f"rank {self.ranks[0]}"
-        return f"ranks {rank_set(self.ranks)}"
-
-    @property
-    def detail(self) -> str:
-        """Each rank's numbers where they differ, the extremes named first ('' if none)."""
-        if len(self.ranks) < 2 or not self.values or not isinstance(self.values[0], tuple):
-            return ""
-        if self.said is None or not self.out:
-            self.said = detail(self.key, self.values, self.ranks)
-        return self.said
-
-    def each(self) -> list[tuple[int, str]]:
-        """Every rank's own line, as it printed it."""
-        return [(rank, self._own(i)) for i, rank in enumerate(self.ranks)]
-
-    def _own(self, i: int) -> str:
-        values = self.values[i] if self.values else ()
-        if isinstance(values, str) or not values:
-            return values or self.key
-        pieces = self.key.split("\x00")
-        line = [pieces[0]]
-        for value, piece in zip(values, pieces[1:], strict=True):
-            line += [value, piece]
-        return "".join(line)
-
-    def line_at(self, i: int) -> str:
-        """The own line of the ``i``-th rank of ``ranks`` (a rank's row shows its own)."""
-        return self.text if len(self.ranks) < 2 or not self.values else self._own(i)
-
-    def line_of(self, rank: int) -> str:
-        """``rank``'s own line (the folded line if it did not print this one)."""
-        if len(self.ranks) < 2 or rank not in self.ranks:
-            return self.text
-        return self._own(self.ranks.index(rank))
-
-    def settle_text(self) -> None:
-        """The line as shown: the shape with the ranks' numbers, or the slowest bar."""
-        if len(self.ranks) < 2 or not self.values:
-            return
-        if isinstance(self.values[0], str):
-            self.text = bar(self.values, self.ranks)
-        elif self.values[0]:
-            self.text = render(self.key, self.values)
-
-
-PARTIAL_MAX = 1 << 14  # characters of an unfinished line kept (its end), at most
-
-
-class Lines:
-    """Text chunks in, whole lines out; a carriage return rewrites the line so far.
-
-    The unfinished line keeps only what follows its last carriage return (a
-    progress bar's last state) and at most PARTIAL_MAX characters of its end, so
-    a bar updated 100,000 times in one line costs each update the same.
-    """
-
-    def __init__(self) -> None:
-        self.partial = ""
-
-    def feed(self, text: str) -> list[str]:
-        *lines, rest = (self.partial + text).split("\n")
-        cut = rest.rstrip("\r").rfind("\r")  # ("a\r" stays: a "\n" may follow it)
-        if cut >= 0:
-            rest = rest[cut + 1 :]
-        if len(rest) > PARTIAL_MAX:
-            rest = "…" + rest[-PARTIAL_MAX:]
-        self.partial = rest
-        return [self.settle(line) for line in lines]
-
-    @staticmethod
-    def settle(line: str) -> str:
-        if "\r" in line:  # a progress bar: its last state is the line
-            stripped = line.rstrip("\r")
-            line = stripped.rsplit("\r", 1)[-1]
-        return line
-
-    @property
-    def current(self) -> str:
-        """The unfinished line as it reads now (what a terminal would show)."""
-        return self.settle(self.partial)
-
-    def flush(self) -> list[str]:
-        rest, self.partial = self.current, ""
-        return [rest] if rest else []
 
 
 class Folder:
@@ -176,6 +70,7 @@ class Folder:
         self.window = window
         self.clock = clock
         self._partial: dict[tuple[int, str], Lines] = {}  # each rank's unfinished lines
+        self._bars: dict[tuple[int, str], str] = {}  # the unfinished lines that are bars: key
         self._seq = 0
         self._open = 0  # groups waiting
         self._ready: list[tuple[int, int, int, Group]] = []  # heap: groups with none before
@@ -195,7 +90,56 @@ class Folder:
         lines = self._partial.get(key)
         if lines is None:
             lines = self._partial[key] = Lines()
-        return self.feed_lines(event.rank, event.stream, lines.feed(event.text), self.clock())
+        whole = lines.feed(event.text)
+        self._mark_bar(key, lines.current)
+        return self.feed_lines(event.rank, event.stream, whole, self.clock())
+
+    def _mark_bar(self, key: tuple[int, str], current: str) -> None:
+        """Note whether the rank's unfinished line is a tqdm bar, and which."""
+        bar = shape(current) if "%|" in current else None
+        if bar is not None and bar[1] is None:
+            self._bars[key] = bar[0]
+        else:
+            self._bars.pop(key, None)
+
+    def bars(self) -> list[Group]:
+        """The bars running now, one per stream and description: every rank's unfinished
+        bar, with the finished ones still waiting to come out, folded into the slowest
+        rank's bar and the spread (``--no-fold``: each rank's own)."""
+        now, found = self.clock(), {}
+        for (rank, stream), key in sorted(self._bars.items()):
+            slot = (stream, key, rank if self.window <= 0 else -1)
+            if slot not in found:
+                found[slot] = Group(-1, key, stream, "", now)
+            found[slot].ranks.append(rank)
+            found[slot].values.append(self._partial[(rank, stream)].current)
+        for (stream, key, _), group in found.items():
+            running = set(group.ranks)
+            for waiting in self._by_key.get((stream, key), ()):
+                for rank, line in zip(waiting.ranks, waiting.values, strict=True):
+                    if rank not in running:
+                        group.ranks.append(rank)
+                        group.values.append(line)
+        for group in found.values():
+            each = sorted(zip(group.ranks, group.values, strict=True))
+            group.ranks, group.values = [r for r, _ in each], [v for _, v in each]
+            group.text = group.values[0]
+            group.settle_text()
+        return list(found.values())
+
+    def _bar_waits(self, group: Group, now: float) -> bool:
+        """A finished bar waits (BAR_HOLD s at most) while another running rank's bar of the
+        same description still runs: bars of ranks at different speeds fold into one."""
+        if not group.values or not isinstance(group.values[0], str):
+            return False
+        if now - group.born >= BAR_HOLD:
+            return False
+        mine = set(group.ranks)
+        return any(
+            key == group.key and stream == group.stream and rank in self._last
+            and rank not in mine
+            for (rank, stream), key in self._bars.items()
+        )  # fmt: skip
 
     def current(self, rank: int, stream: str) -> str:
         """``rank``'s unfinished line on ``stream`` as it reads now."""
@@ -224,6 +168,7 @@ class Folder:
         for stream in ("stdout", "stderr"):
             lines = self._partial.get((rank, stream))
             if lines is not None:
+                self._bars.pop((rank, stream), None)
                 out += self.feed_lines(rank, stream, lines.flush(), self.clock())
         return out
 
@@ -349,6 +294,8 @@ class Folder:
         while True:
             group = self._head()
             if group is None or (now - group.born < self.window and not self._settled(group)):
+                return out
+            if self._bar_waits(group, now):
                 return out
             out.append(self._pop())
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["bar", "detail", "is_progress", "rank_set", "render", "shape"]
+__all__ = ["bar", "bar_count", "bar_detail", "detail", "is_progress", "rank_set", "render", "shape"]
 
 # tqdm's default layout: "desc: 100%|█████| 10/10 [00:01<00:00,  9.81it/s]"
 _BAR = re.compile(r"^(?P<desc>.*?)\s*\d+%\|.*\|\s*(?P<n>[\d.]+[kMG]?)/(?P<total>\S+)(?:\s.*)?$")
 # tqdm with no total: "45it [00:01, 30.12it/s]"
 _BAR_OPEN = re.compile(r"^.*\d+(?:\.\d+)?[kMG]?it \[[^\]]*(?:it/s|s/it)[^\]]*\]\s*$")
+_OPEN_COUNT = re.compile(r"\d+(?:\.\d+)?[kMG]?it")
 # a number: at most 24 digits a part (a longer run of digits is several numbers: int() and
 # float() of each stay cheap and within Python's limits)
 _NUMBER = re.compile(r"(-?\d{1,24}(?:\.\d{1,24})?(?:[eE][-+]?\d{1,3})?)")
@@ -59,8 +60,9 @@ def rank_set(ranks) -> str:
     return ",".join(out)
 
 
-def _slot(column: list[str]) -> str:
-    """One number as the folded line shows it: as printed, a set of integers, a range."""
+def _slot(column: list[str], ranks: list[int]) -> str:
+    """One number as the folded line shows it: as printed, a set of integers, or a range
+    with the rank of its outlying end named (the end further from the median)."""
     first = column[0]
     if all(v == first for v in column):
         return first
@@ -68,20 +70,27 @@ def _slot(column: list[str]) -> str:
         shown = rank_set({int(v) for v in column})
         if len(shown) <= SET_MAX:
             return "{" + shown + "}"
-    low, high = min(column, key=float), max(column, key=float)
-    return "{" + low + ".." + high + "}"
+    order = sorted(range(len(column)), key=lambda j: float(column[j]))
+    low, high = order[0], order[-1]
+    half = len(order) // 2  # the median (of two ranks: their mean, and the max is named)
+    middle = (float(column[order[half]]) + float(column[order[(len(order) - 1) // 2]])) / 2
+    above, below = float(column[high]) - middle, middle - float(column[low])
+    far = high if above >= below * (1 - 1e-9) else low  # (as far: the max)
+    named = f"{'max' if far == high else 'min'} rank {ranks[far]}" if ranks else ""
+    return "{" + column[low] + ".." + column[high] + (", " + named if named else "") + "}"
 
 
 def _integer(text: str) -> bool:
     return text.lstrip("-").isdigit()
 
 
-def render(key: str, values: list[tuple[str, ...]]) -> str:
-    """The folded line: the shape with each number as :func:`_slot` shows it."""
+def render(key: str, values: list[tuple[str, ...]], ranks: list[int] | None = None) -> str:
+    """The folded line: the shape with each number as :func:`_slot` shows it (``ranks``:
+    whose values they are, to name the outlier of a range)."""
     pieces = key.split("\x00")
     out = [pieces[0]]
     for i, piece in enumerate(pieces[1:]):
-        out.append(_slot([v[i] for v in values]))
+        out.append(_slot([v[i] for v in values], ranks or []))
         out.append(piece)
     return "".join(out)
 
@@ -99,6 +108,25 @@ def bar(lines: list[str], ranks: list[int]) -> str:
     m = _BAR.match(lines[max(range(len(lines)), key=counts.__getitem__)])
     ahead = m.group("n") if m else f"{fast:g}"
     return f"{lines[slow]}  (slowest: rank {ranks[slow]}; the others up to {ahead})"
+
+
+def bar_count(line: str) -> str | None:
+    """A tqdm bar's position, ``45/100`` (``45it`` with no total); None for other lines:
+    what a rank's row shows of its bar (the bar itself is drawn once, folded)."""
+    m = _BAR.match(line) if "%|" in line else None
+    if m:
+        return f"{m.group('n')}/{m.group('total')}"
+    m = _BAR_OPEN.match(line) and _OPEN_COUNT.search(line)
+    return m.group(0) if m else None
+
+
+def bar_detail(lines: list[str], ranks: list[int]) -> str:
+    """Each rank's position in a folded bar, in rank order: shown when it is pointed at."""
+    each = sorted(zip(ranks, lines, strict=True))[:DETAIL_RANKS]
+    out = [f"rank {rank}: {bar_count(line) or line}" for rank, line in each]
+    if len(ranks) > DETAIL_RANKS:
+        out.append(f"… {len(ranks) - DETAIL_RANKS} more ranks")
+    return "\n".join(out)
 
 
 def _count(text: str) -> float:

@@ -23,6 +23,7 @@ from .charts import summary_line
 from .dashboard_html import RankView, mark_behind
 from .fold import Folder, Group
 from .metric_store import CellMetrics
+from .progress_fold import ProgressLines
 from .stacks import rank_set
 
 __all__ = ["FOLD_WINDOW", "Sink", "TextSink", "columns", "show_rich"]
@@ -78,6 +79,7 @@ class TextSink:
         self._metrics_said = clock()
         self.hosts = dict(hosts or {})
         self._fold = Folder((), window=window if fold else 0, clock=clock)
+        self._bars = ProgressLines(fold, clock=clock)  # nbddp.progress, folded
         self._head = head
         self._out = stdout
         self._err = stderr
@@ -108,6 +110,8 @@ class TextSink:
                 self.handle(one)
         elif isinstance(event, P.RankState):
             self._view(event.rank).state = event.state
+            if event.state == "running":
+                self._bars.ranks.add(event.rank)
             self._take(self._fold.state(event))
         elif isinstance(event, P.RankWhere):
             self._where_now(event)
@@ -117,6 +121,8 @@ class TextSink:
             self._take(self._fold.flush())  # the lines printed before it come first
             self._stream("stdout").flush()
             show_rich(event)
+        elif isinstance(event, P.RankProgress) and not self.quiet:
+            self._say_bar(self._bars.take(event))
         elif isinstance(event, P.RankDebug):  # pdb's session follows: what came before first
             self._take(self._fold.flush())
             self._stream("stdout").flush()
@@ -156,6 +162,12 @@ class TextSink:
         if ahead:
             said += f"; {rank_set(sorted(ahead))} {self._views[ahead[0]].state_text(now)}"
         self._stream("stderr").write(said + "\n")
+
+    def _say_bar(self, line: str | None) -> None:
+        """The folded bar of ``nbddp.progress``, after the lines printed before it."""
+        if line is not None:
+            self._take(self._fold.due())
+            self._stream("stdout").write(line + "\n")
 
     def _say_metrics(self) -> None:
         """One line per metric the cell logged: where it stands now."""
@@ -206,6 +218,8 @@ class TextSink:
             for group in self._tail:
                 self._write(group)
             self._tail.clear()
+            for line in self._bars.rest():
+                self._say_bar(line)
         if self.metrics.dirty:
             self._say_metrics()
         for out in (self._stream("stdout"), self._stream("stderr")):

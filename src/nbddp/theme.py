@@ -85,4 +85,6 @@ LIVE_CSS = (
     f".nbddp-live .nbddp-stderr{{color:{STDERR}}}"
     f".nbddp-live .nbddp-dropped{{color:{MUTED}}}"
     f".nbddp-live .nbddp-pane pre{{{CODE_FONT}}}"
+    f".nbddp-live .nbddp-folded{{cursor:pointer}}"
+    f".nbddp-live .nbddp-values{{color:{MUTED}}}"
 )
