@@ -85,12 +85,13 @@ class SimRank:
         world: int,
         per_host: int,
         streams_first: bool = False,
+        held: bool = False,
     ) -> None:
         addr, family = parse_address(address)
         self.rank = rank
         pid = os.getpid()
         host = f"sim{rank // per_host}"
-        hello = P.Hello(rank, world, rank % per_host, per_host, pid, host, False)
+        hello = P.Hello(rank, world, rank % per_host, per_host, pid, host, False, held=held)
         self.streams = {}
         if not streams_first:  # as a real rank does; the other order happens too, by timing
             self.control = Client(addr, family, authkey=token)
@@ -107,7 +108,8 @@ class SimRank:
         self.left = False
         self.last_cell, self.collectives = 0, 0  # what a real rank's Stacks says (worker_seq)
         self.relayed = "/" in address
-        self.control.send_bytes(P.dumps(P.Ready("gloo", "cpu")))
+        if not held:  # a held rank waits for the notebook's word (a Reform) to join
+            self.control.send_bytes(P.dumps(P.Ready("gloo", "cpu")))
 
     def _leave(self) -> None:
         self.left = True
@@ -140,6 +142,8 @@ class SimRank:
                 _OK[msg.cell] if error is None else P.dumps(P.Done(msg.cell, status, error=error))
             )
             self.control.send_bytes(done)
+        elif isinstance(msg, P.Reform):  # (no group to form: ready in that generation)
+            self.control.send_bytes(P.dumps(P.Ready("gloo", "cpu", generation=msg.generation)))
         elif isinstance(msg, P.Query):
             self.control.send_bytes(P.dumps(P.StatusReply(0, "cpu")))
         elif isinstance(msg, P.StackQuery):  # idle: its count is final after its last cell
@@ -163,6 +167,7 @@ def serve(
     per_host: int,
     streams_first: bool = False,
     relay: bool = False,
+    held: bool = False,
 ) -> None:
     _load_protocol()
     connect_to = {}  # rank -> address: the notebook, or its host's relay
@@ -175,7 +180,7 @@ def serve(
                 R.start(path, parse_address(address), token)
             connect_to[r] = path
     ranks = [
-        SimRank(connect_to[r], token, r, world, per_host, streams_first)
+        SimRank(connect_to[r], token, r, world, per_host, streams_first, held)
         for r in range(first, first + count)
     ]
     selector = selectors.DefaultSelector()
@@ -197,16 +202,21 @@ def start(
     per_host: int = 8,
     streams_first: bool = False,
     relay: bool = False,
+    held: bool = False,
+    ranks: range | None = None,
 ) -> list:
     """``procs`` processes serving ``world`` ranks between them; returns the Popen objects.
 
     With ``relay``, the ranks of each simulated host (``per_host`` of them) go through
-    one nbddp relay, as torchrun ranks on a host do."""
-    share = -(-world // procs)
+    one nbddp relay, as torchrun ranks on a host do; ``held``: each says a holder forks a
+    new process if it dies, and joins when the notebook says (a Reform). ``ranks``: only
+    those (a replacement host's), else all."""
+    ranks = ranks if ranks is not None else range(world)
+    share = -(-len(ranks) // procs)
     share = -(-share // per_host) * per_host  # a host's ranks are served by one process
     out = []
-    for first in range(0, world, share):
-        count = min(share, world - first)
+    for first in range(ranks.start, ranks.stop, share):
+        count = min(share, ranks.stop - first)
         argv = [address, token.hex(), str(world), str(first), str(count), str(per_host)]
         out.append(
             subprocess.Popen(
@@ -216,6 +226,7 @@ def start(
                     *argv,
                     *(["streams-first"] if streams_first else []),
                     *(["relay"] if relay else []),
+                    *(["held"] if held else []),
                 ],
                 start_new_session=True,
             )
@@ -234,4 +245,5 @@ if __name__ == "__main__":
         int(per_host),
         "streams-first" in flags,
         "relay" in flags,
+        "held" in flags,
     )

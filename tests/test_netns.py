@@ -17,12 +17,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from helpers import collect, end_all, free_port, namespace_digests
-from nbddp import Pool, remote
+from nbddp import CellFailed, Pool, PoolClosedError, remote, reports
+from nbddp.hosts_lost import HostsMissing
 from nbddp.tls import make_server_tls
 
 pytestmark = pytest.mark.skipif(
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 NOTEBOOK_IP = "10.213.77.1"
+NAMES = ("node-a", "node-b", "node-c", "node-d")  # up to three hosts and a replacement
 
 
 def sh(*cmd: str) -> None:
@@ -39,7 +42,7 @@ def sh(*cmd: str) -> None:
 
 @pytest.fixture(scope="module")
 def nodes():
-    """[(namespace, hostname, ip)] of node-a and node-b, on a bridge to NOTEBOOK_IP."""
+    """[(namespace, hostname, ip)] of node-a to node-d, on a bridge to NOTEBOOK_IP."""
     tag = str(os.getpid() % 100000)
     bridge = f"nbbr{tag}"
     made: list[str] = []
@@ -48,7 +51,7 @@ def nodes():
         sh("ip", "addr", "add", f"{NOTEBOOK_IP}/24", "dev", bridge)
         sh("ip", "link", "set", bridge, "up")
         result = []
-        for i, name in enumerate(("node-a", "node-b")):
+        for i, name in enumerate(NAMES):
             ns, veth, ip = f"nb{tag}{name[-1]}", f"nbv{tag}{name[-1]}", f"10.213.77.{2 + i}"
             sh("ip", "netns", "add", ns)
             made.append(ns)
@@ -72,6 +75,45 @@ def nodes():
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
 
 
+class Torchruns(list):
+    """The torchrun processes of an attached pool, one a node; :meth:`launch` starts the
+    same command on a node (a replacement host too), with its node rank."""
+
+    def __init__(self, folder, nnodes, per_node, master_ip, address, token_file) -> None:
+        super().__init__()
+        self.folder, self.logs = folder, []
+        self.command = (
+            f"{sys.executable} -m torch.distributed.run --nnodes {nnodes} "
+            f"--nproc-per-node {per_node} --master-addr {master_ip} --master-port {free_port()} "
+            f"-m nbddp.worker --connect {address} --token-file {token_file}"
+        )
+
+    def launch(self, node, node_rank: int) -> subprocess.Popen:
+        ns, hostname, _ = node
+        torchrun = self.command.replace(" -m nbddp", f" --node-rank {node_rank} -m nbddp")
+        self.logs.append(open(self.folder / f"{hostname}.log", "ab"))  # noqa: SIM115
+        self.append(
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "unshare",
+                    "-u",
+                    "sh",
+                    "-c",
+                    f"hostname {hostname} && exec {torchrun}",
+                ],
+                env=dict(os.environ, GLOO_SOCKET_IFNAME="eth0"),  # PYTHONPATH too
+                stdout=self.logs[-1],
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+        return self[-1]
+
+
 @contextlib.contextmanager
 def attached_pool(nodes, folder, *, per_node=1, tls=False, workspace=None):
     """A started Pool listening on the bridge, its ranks a torchrun node of ``per_node``
@@ -88,27 +130,11 @@ def attached_pool(nodes, folder, *, per_node=1, tls=False, workspace=None):
         start_timeout=180,
         workspace=workspace,
     )
-    address = pool.listen()
-    master_ip, master_port = nodes[0][2], free_port()
-    procs, logs = [], []
+    procs = Torchruns(folder, len(nodes), per_node, nodes[0][2], pool.listen(), token_file)
+    logs = procs.logs
     try:
-        for node_rank, (ns, hostname, _) in enumerate(nodes):
-            torchrun = (
-                f"hostname {hostname} && exec {sys.executable} -m torch.distributed.run "
-                f"--nnodes {len(nodes)} --node-rank {node_rank} --nproc-per-node {per_node} "
-                f"--master-addr {master_ip} --master-port {master_port} -m nbddp.worker "
-                f"--connect {address} --token-file {token_file}"
-            )
-            logs.append(open(folder / f"{hostname}.log", "wb"))  # noqa: SIM115
-            procs.append(
-                subprocess.Popen(
-                    ["ip", "netns", "exec", ns, "unshare", "-u", "sh", "-c", torchrun],
-                    env=dict(os.environ, GLOO_SOCKET_IFNAME="eth0"),  # PYTHONPATH too
-                    stdout=logs[-1],
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
+        for node_rank, node in enumerate(nodes):
+            procs.launch(node, node_rank)
         pool.start()
         yield pool, procs
     finally:
@@ -125,7 +151,7 @@ def attached_pool(nodes, folder, *, per_node=1, tls=False, workspace=None):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("tls", [False, True], ids=["mac", "tls"])
 def test_ranks_on_two_hosts_attach_reduce_and_stop(nodes, tmp_path, tls):
-    with attached_pool(nodes, tmp_path, tls=tls) as (pool, procs):
+    with attached_pool(nodes[:2], tmp_path, tls=tls) as (pool, procs):
         assert [s.host for s in pool.status()] == ["node-a", "node-b"]
         assert pool.hosts == {0: "node-a", 1: "node-b"}
         modes = {r.link.conn.mode for r in pool.roster.ranks.values()}
@@ -164,7 +190,7 @@ def shared(nodes, tmp_path_factory):
     """(pool, workspace): two ranks on each host, attached with a workspace on the share."""
     folder = tmp_path_factory.mktemp("shared")
     ws = str(folder / "ws")  # made by the ranks
-    with attached_pool(nodes, folder, per_node=2, workspace=ws) as (pool, _):
+    with attached_pool(nodes[:2], folder, per_node=2, workspace=ws) as (pool, _):
         assert pool.hosts == HOSTS
         pool.execute(ON_RANKS)
         yield pool, ws
@@ -347,3 +373,112 @@ def test_a_killed_rank_is_replaced_on_its_host_and_every_other_rank_keeps_its_st
     assert namespace_digests(pool, ranks=[3])[3]["w"] == before[2]["w"]
     code = "_t = torch.ones(1)\ntorch.distributed.all_reduce(_t)\n_t.item()"  # (new: no dist)
     assert pool.execute(code) == [4.0] * 4
+
+
+# ---------------------------------------------- a whole host lost, and a replacement host
+
+
+def kill_host(ns: str) -> None:
+    """SIGKILL every process of a namespace: torchrun, its holders, ranks and relay."""
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=True)
+    for pid in map(int, out.stdout.split()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def missing_rows(pool, deadline: float) -> list:
+    """``%ddp status``'s rows of missing ranks, once the notebook saw a host go."""
+    while True:
+        rows = [s for s in pool.status() if s.state == "missing"]
+        if rows or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)
+
+
+def refusal(pool, deadline: float) -> str:
+    """What a cell is refused with, once the notebook saw a host go."""
+    while time.monotonic() < deadline:
+        try:
+            pool.execute("1")
+        except (PoolClosedError, CellFailed) as exc:  # (a cell that ran as the host went)
+            return str(exc)
+        time.sleep(0.1)
+    return "no cell was refused"
+
+
+IN_ALL_REDUCE = """
+for _ in range(600):
+    torch.distributed.all_reduce(torch.ones(1))
+    __import__("time").sleep(0.05)
+"""
+REDUCE = "_t = torch.ones(1) * (rank + 1)\ntorch.distributed.all_reduce(_t)\n_t.item()"
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(
+    ("hosts", "per_host", "in_a_cell"),
+    [(2, 2, False), (3, 2, True), (2, 4, False)],
+    ids=["2x2-between-cells", "3x2-in-all_reduce", "2x4-between-cells"],
+)
+def test_a_lost_host_rejoins_from_a_replacement_host(nodes, tmp_path, hosts, per_host, in_a_cell):
+    """SIGKILL every process of node-b (its torchrun, holders, ranks, relay), between cells
+    or while every rank is in all_reduce: the others keep their state and wait, status and
+    a cell say which ranks and host are missing at once; the same torchrun command on a
+    replacement host brings them back, fresh, and the group works at full size; a copy
+    heals them."""
+    world, lost = hosts * per_host, list(range(per_host, 2 * per_host))
+    kept = [r for r in range(world) if r not in lost]
+    with attached_pool(nodes[:hosts], tmp_path, per_node=per_host) as (pool, procs):
+        pool.execute("w = torch.full((1000,), float(rank))")
+        before = namespace_digests(pool)
+        if in_a_cell:
+            events = pool.run(IN_ALL_REDUCE)
+            threading.Timer(1.0, kill_host, (nodes[1][0],)).start()
+            _, _, end = collect(events)
+            assert sorted(end.exits) == lost, end.exits
+            pool.notes[:0] = end.notes  # (said with the cell: checked below with the rest)
+        else:
+            kill_host(nodes[1][0])
+        procs[1].wait(30)
+        rows = missing_rows(pool, time.monotonic() + 60)
+        assert [(s.rank, s.host) for s in rows] == [(r, "node-b") for r in lost], rows
+        shown = reports.status(pool)  # %ddp status
+        assert shown.count(" missing ") == per_host, shown
+        assert "of host node-b are missing" in shown.splitlines()[-1], shown
+        said = " ".join(pool.take_notes())
+        assert "host node-b" in said, said
+        assert "every other rank keeps its namespace" in said, said
+        with pytest.raises(HostsMissing, match=r"ranks? .* of host node-b (is|are) missing"):
+            pool.execute("w = None")  # refused at once: nothing runs
+        procs.launch(nodes[hosts], 1)  # the same command, node rank 1, on another host
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                pool.ready()
+                break
+            except HostsMissing:
+                assert time.monotonic() < deadline, "the replacement host's ranks never came"
+                time.sleep(0.2)
+        _, _, end = collect(pool.run("1"))
+        said = " ".join(end.notes)
+        assert f"rejoined from {nodes[hosts][1]}" in said, said
+        assert "every other rank kept its namespace" in said, said
+        assert [pool.execute(HOLDERS)[r][0] for r in lost] == [nodes[hosts][1]] * per_host
+        after = namespace_digests(pool)
+        assert [after[r] for r in kept] == [before[r] for r in kept]
+        assert all("w" not in after[r] for r in lost), "the new ranks are fresh"
+        pool.copy(["w"], 0, lost)
+        healed = pool.execute("w[0].item()", ranks=lost)
+        assert [healed[r] for r in lost] == [0.0] * per_host, "rank 0's w on the new ranks"
+        assert pool.execute(REDUCE) == [world * (world + 1) / 2] * world
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_host_that_held_torchruns_store_stops_the_pool_and_says_why(nodes, tmp_path):
+    """node-a held torchrun's store (node rank 0): the others cannot meet again."""
+    with attached_pool(nodes[:2], tmp_path, per_node=2) as (pool, procs):
+        kill_host(nodes[0][0])
+        procs[0].wait(30)
+        said = refusal(pool, time.monotonic() + 60)
+        assert "host node-a (ranks 0, 1) was lost with torchrun's store" in said, said
+        assert "start torchrun again and attach again" in said, said

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from . import healing, recovery
+from . import healing, hosts_lost, recovery
 from . import protocol as P
 from .errors import PoolClosedError, PoolStartError
 from .gpus import pool_plan
@@ -37,7 +37,11 @@ class PoolRepair:
 
     def facts(self: Pool) -> Facts:
         """What recovery needs to know of this pool now."""
-        renewable = not self.attached or all(_renewable(r) for r in self.roster.ranks.values())
+        # a rank whose host was lost comes back from a replacement host (nbddp.hosts_lost),
+        # unless that host held torchrun's store
+        store_lost = hosts_lost.why_not(self) if self.attached else ""
+        held = all(r.renewable for r in self.roster.ranks.values())
+        renewable = not self.attached or (held and not store_lost)
         return Facts(
             world_size=self.world_size,
             on_death=self.on_death,
@@ -46,6 +50,7 @@ class PoolRepair:
             lost=self.needs_restart,
             rebuilt=bool(self.mesh or self.groups),
             grace=self.grace,
+            store_lost=store_lost,
         )
 
     def can_replace(self: Pool) -> bool:
@@ -58,7 +63,9 @@ class PoolRepair:
         """Start the pool anew if it lost its state (said in a note), replace a rank that
         died since the last cell; refuse a stopped pool (PoolClosedError)."""
         closed = self.state == "closed" and not self.roster.ranks
-        refused = recovery.refusal(self.facts(), closed, self.started)
+        # (an attached pool whose lost host's ranks are missing is refused by hosts_lost)
+        started = self.started or bool(self.roster.missing)
+        refused = recovery.refusal(self.facts(), closed, started)
         if refused is not None:
             self._refuse(refused)
         items = self._between_cells()
@@ -82,6 +89,10 @@ class PoolRepair:
         elif type(decision) is Restart:
             self.lose()
             self.notes.append(decision.note)
+        back = hosts_lost.arrived(self) if self.attached else []  # (refused at once: missing)
+        if back:
+            events = list(self._replace(Replace(tuple(back))))
+            self.roster.backlog += [e for e in events if type(e) is P.Output]
         if not self.started:
             self.start()
 
@@ -172,6 +183,8 @@ class PoolRepair:
     def _replace(self: Pool, decision: Replace):
         """New processes in place of the dead ranks, the group re-formed with all of them;
         every other rank keeps its namespace."""
+        if self.attached and hosts_lost.defer(self, list(decision.ranks)):
+            return  # a lost host's ranks: the re-form waits for a replacement host
         t0 = time.monotonic()
         had = yield from self._formed_again(list(decision.ranks))
         if had is not None:
@@ -288,10 +301,3 @@ class PoolRepair:
         self.reap(live, time.monotonic() + 2.0)
         for r in ranks:
             self.roster.forget(r.rank)
-
-
-def _renewable(r) -> bool:
-    """An attached rank whose holder forks a new process, which can reach the notebook (a
-    host whose relay ended has lost its way there: the pool is stopped at once)."""
-    relay = r.link.relay
-    return r.renewable and (relay is None or not relay.ended)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from . import hosts_lost
 from . import protocol as P
 from .deadlock import world_count
 from .hub import Gone, Msg
@@ -35,9 +36,8 @@ def ask(pool, msg: object, reply: type, timeout: float) -> dict[int, object]:
             kind = type(item)
             if kind is Msg and isinstance(item.msg, reply):
                 replies[item.rank] = item.msg
-            elif kind is Gone:
-                pool.roster[item.rank].state = "dead"
-                pool.state = "lost"
+            elif kind is Gone and not hosts_lost.take_gone(pool, item.rank):
+                pool.state = "lost"  # (a lost host's ranks are missing: the pool waits)
         pool.roster.keep_output(items)
     return replies
 
@@ -52,12 +52,18 @@ def status(pool, timeout: float = 2.0) -> list[RankStatus]:
             r.pid,
             r.host,
             r.device,
-            r.state if r.state == "dead" or r.rank in replies else "unresponsive",
+            _state(pool, r, replies),
             now - r.started,
             replies[r.rank].rss if r.rank in replies else None,
         )
         for r in pool.roster.ranks.values()
     ]
+
+
+def _state(pool, r, replies: dict) -> str:
+    if r.rank in pool.roster.missing:
+        return "missing"  # its host was lost (nbddp.hosts_lost)
+    return r.state if r.state == "dead" or r.rank in replies else "unresponsive"
 
 
 def stacks(pool, timeout: float = 2.0, counts: bool = False) -> dict[int, tuple]:

@@ -16,8 +16,10 @@ pool's repair part (:class:`~nbddp.pool_repair.PoolRepair`) gathers the facts
   own, so even rank 0 can die). A rank that dies again and again stops the pool
   (``CRASH_LOOP`` deaths within ``CRASH_WINDOW`` s: :func:`count_death`);
   ``on_death="restart"`` stops it at once. An attached pool's rank is replaced by the
-  process its holder on its host forks (nbddp.worker_holder); ranks without a holder,
-  or behind a relay that ended, cannot come back: the pool is stopped.
+  process its holder on its host forks (nbddp.worker_holder); a host whose relay ended
+  is lost, and its ranks wait for a replacement host (nbddp.hosts_lost); ranks without
+  a holder, or of a lost host that held torchrun's store, cannot come back: the pool
+  is stopped.
 - Ranks that do not come back (a death broke the group for good, a rank stuck
   in C past the grace period): :class:`Stop`, and the next cell starts a new pool.
   Every note that says state was lost is made by :func:`state_lost`, so they all
@@ -84,6 +86,7 @@ class Facts:
     lost: bool  # the ranks' state is gone (the next cell starts a new pool)
     rebuilt: bool  # nbddp rebuilds `mesh` and `group` after a re-form
     grace: float
+    store_lost: str = ""  # attached: a lost host held torchrun's store (nbddp.hosts_lost)
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,7 @@ def between_cells(
         return Replace(tuple(d.rank for d in gone), notes=said)
     if gone and facts.attached:
         died = ", ".join(RankDied(d.rank, d.code, d.host).summary for d in gone)
+        closed = [*closed, facts.store_lost] if facts.store_lost else closed
         why = f" ({'; '.join(closed)})" if closed else ""
         return Refuse(
             f"{died} since the last cell{why}: the attached pool was stopped (the ranks' "
@@ -326,10 +330,13 @@ def death_notes(facts: Facts, rank: int, code: int | None, cell_code: str) -> li
 def _stop_note(facts: Facts, action) -> str:
     stuck = list(action.ranks)
     if action.reason == "death" and facts.attached:
-        return (
+        why = facts.store_lost or (
             "the process group lost a member that cannot come back (a rank without a "
-            "holder, NBDDP_HOLD=0, or its host's relay ended), so the pool was stopped: "
-            "start torchrun again and attach again (the ranks' state is lost)"
+            "holder, NBDDP_HOLD=0)"
+        )
+        return (
+            f"{why}, so the pool was stopped: start torchrun again and attach again (the "
+            "ranks' state is lost)"
         )
     if action.reason == "death":
         return state_lost(

@@ -33,12 +33,15 @@ def worker_command(connect: str, token_file: str) -> str:
 
 
 def torchrun_command(connect: str, token_file: str, world_size: int) -> str:
-    """What to run on each node (NODES x GPUS_PER_NODE must be the world size)."""
+    """What to run on each node (NODES x GPUS_PER_NODE must be the world size). A static
+    rendezvous (each node's rank said): the same command brings a lost host's ranks back
+    from a replacement host (nbddp.hosts_lost); with c10d's, torch's agents would restart
+    the other hosts' workers when a new node joins their rendezvous."""
     return (
-        "torchrun --nnodes NODES --nproc-per-node GPUS_PER_NODE --rdzv-backend c10d "
-        "--rdzv-endpoint FIRST_NODE:29400 \\\n    "
+        "torchrun --nnodes NODES --node-rank THIS_NODE --nproc-per-node GPUS_PER_NODE "
+        "--master-addr FIRST_NODE --master-port 29400 \\\n    "
         + worker_command(connect, token_file)
-        + f"\n(NODES x GPUS_PER_NODE = {world_size})"
+        + f"\n(NODES x GPUS_PER_NODE = {world_size}; THIS_NODE: 0 on FIRST_NODE, 1, 2, ...)"
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import stacks as S
+from .hosts_lost import missing_line
 from .sinks import columns
 
 __all__ = ["counts_line", "stacks", "status"]
@@ -12,13 +13,15 @@ NO_POOL = "nbddp: no pool is running"
 
 def status(pool) -> str:
     """One row per rank: pid, host, device, state, uptime, memory."""
-    if pool is None or not pool.started:
+    missing = getattr(getattr(pool, "roster", None), "missing", None)
+    if pool is None or not (pool.started or missing):
         return NO_POOL
     rows = [("rank", "pid", "host", "device", "state", "uptime", "rss")]
     for s in pool.status():
         rss = "-" if s.rss is None else f"{s.rss / 2**20:.0f} MiB"
         rows.append((str(s.rank), str(s.pid), s.host, s.device, s.state, f"{s.uptime:.0f} s", rss))
-    return columns(rows)
+    table = columns(rows)
+    return table + f"\nnbddp: {missing_line(pool)}" if missing else table
 
 
 def stacks(pool) -> str:

@@ -97,6 +97,7 @@ class Roster:
         # attached, stopped: why it takes no rank now (each one that comes is turned away)
         self.closed_to: str | None = None
         self.renewing: P.Reform | None = None  # attached: the re-form new processes join
+        self.missing: dict[int, str] = {}  # attached: ranks of lost hosts -> their host
         self._turned: list = []  # connections turned away, closed with the pool (not at
         # once: a close with the peer's bytes unread resets it before it reads why)
 
@@ -144,6 +145,7 @@ class Roster:
         self.store_port = None
         self.reforms = 0  # (a new pool has a new store)
         self.deaths.clear()
+        self.missing.clear()
         return ranks
 
     def forget(self, rank: int) -> None:
@@ -233,6 +235,10 @@ class Roster:
             and (not isinstance(hello, P.Hello) or hello.held)
         )
 
+    def parked(self, rank: int) -> P.Hello | None:
+        """The Hello of a new process held back for dead ``rank`` (:meth:`renew`), if any."""
+        return next((h for _, h, _ in self._early.get(rank, ()) if isinstance(h, P.Hello)), None)
+
     def renew(self, rank: int) -> None:
         """Attached: a new record for ``rank``, which died; its holder's new process joins
         it (its connections, if they came already, are taken now; else as they come)."""
@@ -275,6 +281,8 @@ class Roster:
             r.send(P.JoinGroup(self.store_port))
         if self.renewing is not None:  # a new process of a dead rank: the re-form it joins
             r.send(self.renewing)
+        elif hello.held:  # a held rank waits for the word to join: the first group
+            r.send(P.Reform(0))
         if self.on_join is not None:
             self.on_join(len(self.ranks), self.world_size)
 

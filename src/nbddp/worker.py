@@ -92,7 +92,9 @@ class Worker:
         self._start()
         generation = int(os.environ.get("NBDDP_GENERATION") or 0)
         try:
-            if renewed:
+            if renewed or os.environ.get("NBDDP_HELD") == "1":
+                # a held rank joins the group the notebook says: the first (Reform 0),
+                # or, a new host's in a running pool, the re-form that takes it in
                 generation = self._await_reform()
             self.cells.make_namespace(self.group.join(generation=generation or None))
         except BaseException as exc:
