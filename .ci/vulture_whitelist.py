@@ -32,7 +32,7 @@ _._copy
 _._connect
 _._list
 _._disconnect
-# matplotlib's backend protocol (MPLBACKEND=module://nbddp.mpl_backend)
+# matplotlib's backend protocol (MPLBACKEND=module://nbddp.rank.mpl_backend)
 FigureCanvas
 FigureManager
 # registered with atexit by its decorator
@@ -42,7 +42,7 @@ _.pids
 _.execute
 # file objects have a mode; loggers and libraries read it from sys.stdout
 _.mode
-# pdb reads its commands with stdin.readline() (nbddp.debugger.Remote is its stdin)
+# pdb reads its commands with stdin.readline() (nbddp.rank.debugger.Remote is its stdin)
 _.readline
 # torch's counter of unnamed groups: reset before a join, as destroying WORLD resets it
 _.group_count

@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import simranks  # noqa: E402
-from nbddp import detached_client as D  # noqa: E402
-from nbddp import detached_wire as W  # noqa: E402
-from nbddp import remote  # noqa: E402
-from nbddp.pool import Pool  # noqa: E402
+from nbddp.detached import client as D  # noqa: E402
+from nbddp.detached import messages as W  # noqa: E402
+from nbddp.notebook import remote  # noqa: E402
+from nbddp.pool.facade import Pool  # noqa: E402
 
 
 def cells(pool, reps: int) -> list[tuple[float, float]]:

@@ -107,7 +107,7 @@ pool.stop()
 
 def cold_start(n: int) -> float:
     """A new process that has torch imported (as a notebook would) starts a pool."""
-    code = "import torch, nbddp.pool\n" + COLD
+    code = "import torch, nbddp.pool.facade\n" + COLD
     out = subprocess.run([sys.executable, "-c", code, str(n)], capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])
 

@@ -21,7 +21,7 @@ from timing import timed, without
 
 def nbddp_figures(n: int, t: torch.Tensor, pull_numel: int, repeat: int) -> dict:
     from nbddp import Pool
-    from nbddp.capture import pack
+    from nbddp.pool.capture import pack
 
     out = {}
     with Pool(n) as pool:

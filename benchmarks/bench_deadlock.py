@@ -1,6 +1,6 @@
 """Deadlocks, side by side: ``python benchmarks/bench_deadlock.py [--ranks 2 4 8]``.
 
-1. For each pattern (nbddp.deadlock), at each world size, on gloo: seconds from the
+1. For each pattern (nbddp.pool.deadlock), at each world size, on gloo: seconds from the
    moment the deadlock is certain to the cell's end in the notebook (the abort, the
    re-form and the error included). Every rank prints ``time.time()`` just before its
    last statement; the deadlock is certain once every rank has got there (the latest
@@ -62,7 +62,7 @@ AT_LINE = re.compile(r"AT (\d+\.\d+)")
 
 def one(pool, code: str, ranks) -> float:
     """Seconds from the deadlock being certain to the cell's end."""
-    from nbddp import protocol as P
+    from nbddp.wire import protocol as P
 
     ats, end_at = [], None
     for event in pool.run(code, ranks=ranks):
@@ -139,9 +139,10 @@ def costs(repeat: int, steps: int) -> dict:
 
 
 def soak(cells: int) -> dict:
+    from test_deadlock import _soak_cell
+
     from helpers import collect
     from nbddp import Pool
-    from test_deadlock import _soak_cell
 
     rng, aborts, t0 = random.Random(37), 0, time.monotonic()
     with Pool(3) as pool:

@@ -93,7 +93,7 @@ def main() -> None:
     import torch
 
     from nbddp import Pool
-    from nbddp import detached_client as D
+    from nbddp.detached import client as D
 
     results: dict = {}
     local = Pool(args.ranks).start()

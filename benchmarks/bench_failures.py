@@ -101,7 +101,7 @@ FAIL_AT = re.compile(r"FAIL_AT (\d+\.\d+)")
 
 
 def nbddp_case(pool, code: str, interrupted: bool) -> dict:
-    from nbddp import protocol as P
+    from nbddp.wire import protocol as P
 
     n = pool.world_size
     pool.execute(COLL + "kept = rank")
@@ -150,7 +150,7 @@ SUM = COLL + "dist.all_reduce(t)\nt.item()"
 def death_case(pool, bad: int) -> dict:
     """A SIGKILL of ``bad`` while the others wait in all_reduce: seconds to the cell's
     error, and to the result of an all_reduce over every rank (a ready group)."""
-    from nbddp import protocol as P
+    from nbddp.wire import protocol as P
 
     n = pool.world_size
     pool.execute(COLL + "kept = rank")

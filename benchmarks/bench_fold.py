@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fold_baseline
 
-from nbddp import protocol as P
-from nbddp.fold import Folder, Lines
+from nbddp.dashboard.fold import Folder, Lines
+from nbddp.wire import protocol as P
 
 LINES = 80_000
 

@@ -1,14 +1,14 @@
 """A rank's handshake against a crowd of peers that never authenticate:
 ``python benchmarks/bench_handshake.py [--idle 0,200,1000] [--ranks 2] [--json FILE]``.
 
-The notebook's listener (``nbddp.listener.Listener`` on TCP, as an attached pool's) runs
+The notebook's listener (``nbddp.wire.listener.Listener`` on TCP, as an attached pool's) runs
 in this process. A crowd (tests/crowd.py) in a process of its own opens IDLE connections
 that never speak, plus a slowloris (a byte a second) and a garbage peer (4 KiB of random
 bytes, again and again). The crowd is held for the whole measure (the listener's
 deadline set to an hour: an attacker that reconnects at once would keep it as full).
 
 - ``handshake``: a client process does what a rank does to attach
-  (``nbddp.handshake.connect``, then its Hello), ``--reps`` times one after another:
+  (``nbddp.wire.handshake.connect``, then its Hello), ``--reps`` times one after another:
   the median and the slowest, from its connect to the notebook holding its Hello;
 - ``attach``: ``--ranks`` real ranks started by hand (each its own host: three TCP
   connections each) attach to a pool under the same crowd: seconds from their start
@@ -34,8 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from nbddp import Pool, remote
-from nbddp import listener as L
+from nbddp import Pool
+from nbddp.notebook import remote
+from nbddp.wire import listener as L
 
 HERE = Path(__file__).resolve().parent
 

@@ -29,7 +29,7 @@ import re
 import time
 
 from nbddp import Pool
-from nbddp import protocol as P
+from nbddp.wire import protocol as P
 
 MODEL = """
 import torch.distributed as dist

@@ -41,7 +41,7 @@ def _interrupt(pool, sent: list[float]) -> None:
 def measure(n: int, times: int) -> dict:
     """In this process (its nbddp is the version under test): the figures at ``n`` ranks."""
     from nbddp import Pool
-    from nbddp import protocol as P
+    from nbddp.wire import protocol as P
 
     ends, readies, lost, skewed = [], [], 0, 0
     with Pool(n, grace=3.0, device="cpu") as pool:

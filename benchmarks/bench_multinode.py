@@ -2,7 +2,7 @@
 
 Side by side in one run, with gloo: a local pool of 8 ranks, and an attached pool of
 2 "hosts" x 4 ranks (two torchrun nodes on loopback, ``--nnodes 2``, each through its
-relay, each rank held by its holder: nbddp.worker_holder). A rank is SIGKILLed while
+relay, each rank held by its holder: nbddp.hosts.holder). A rank is SIGKILLed while
 the others wait in all_reduce (bench_failures.death_case: ranks 7, 6, 5, ... in turn);
 seconds from the death to the cell's error, and to a ready group of 8 (the result of
 an all_reduce over every rank in the next cell). Both keep every other rank's state.
@@ -10,7 +10,7 @@ an all_reduce over every rank in the next cell). Both keep every other rank's st
 Then a whole host lost (its torchrun, holders, ranks and relay SIGKILLed) and the same
 command started again for its node rank (a replacement host): seconds from that launch
 to a ready group at full size (an all_reduce over every rank), beside the first launch
-of both nodes to a ready group (nbddp.hosts_lost).
+of both nodes to a ready group (nbddp.pool.hosts_lost).
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def two_nodes(per: int):
     """(pool, the torchrun processes, start(node rank)): 2 torchrun nodes on loopback."""
     import socket
 
-    from nbddp import Pool, remote
+    from nbddp import Pool
+    from nbddp.notebook import remote
 
     with tempfile.TemporaryDirectory() as tmp:
         token_file = os.path.join(tmp, "nbddp", "token")
@@ -120,7 +121,7 @@ def rejoin(per: int) -> dict:
     """Seconds from the first launch to a group of 2 x ``per`` (the floor: torchrun, torch's
     import, the handshakes), and from a replacement host's launch (the same command) to a
     ready group at full size again, once its lost host's ranks were missing."""
-    from nbddp.hosts_lost import HostsMissing
+    from nbddp.pool.hosts_lost import HostsMissing
 
     with two_nodes(per) as (pool, nodes, start):
         t0 = time.perf_counter()

@@ -20,8 +20,8 @@ import json
 import time
 from pathlib import Path
 
-from nbddp import protocol as P
-from nbddp.dashboard import Dashboard, TextSink
+from nbddp.dashboard.view import Dashboard, TextSink
+from nbddp.wire import protocol as P
 
 RANKS = 4
 

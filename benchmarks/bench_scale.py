@@ -36,9 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import simranks  # noqa: E402
-from nbddp import protocol as P  # noqa: E402
-from nbddp.dashboard import Dashboard, TextSink  # noqa: E402
-from nbddp.pool import Pool  # noqa: E402
+from nbddp.dashboard.view import Dashboard, TextSink  # noqa: E402
+from nbddp.pool.facade import Pool  # noqa: E402
+from nbddp.wire import protocol as P  # noqa: E402
 
 
 def cell(pool: Pool, code: str, sink=None) -> tuple[float, float]:

@@ -30,8 +30,8 @@ def inner(n: int, mb: int, repeat: int) -> dict:
     import torch
 
     from nbddp import Pool
-    from nbddp.capture import pack
-    from nbddp.carriers import spilled
+    from nbddp.pool.capture import pack
+    from nbddp.wire.carriers import spilled
 
     numel = mb * 2**20 // 4
     x = torch.randn(numel)

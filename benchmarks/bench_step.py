@@ -65,7 +65,7 @@ def under_torchrun(n: int, args: list[str]) -> float:
 
 
 def in_pool(pool, args: list[str], as_cell: bool) -> float:
-    from nbddp import protocol as P
+    from nbddp.wire import protocol as P
 
     if as_cell:
         source = SCRIPT.read_text().replace('if __name__ == "__main__":\n    main()', "")
@@ -81,7 +81,7 @@ def backend_for(n: int, device: str) -> str:
     """What the pool forms for ``n`` ranks here: nccl where each rank has a GPU."""
     if device != "cuda":
         return "gloo"
-    from nbddp.gpus import plan, visible_gpus
+    from nbddp.rank.gpus import plan, visible_gpus
 
     return plan(n, count=visible_gpus()).backend
 

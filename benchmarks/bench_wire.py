@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from nbddp import protocol as P
-from nbddp.pool import Pool
+from nbddp.pool.facade import Pool
+from nbddp.wire import protocol as P
 
 TLS = "tls" in inspect.signature(Pool).parameters  # this nbddp has --tls
 
@@ -63,7 +63,7 @@ def start(topology: str, n: int, tls: bool, folder: Path):
     token = secrets.token_hex(32).encode()
     server, pin = (None, "")
     if tls:
-        from nbddp.tls import make_server_tls
+        from nbddp.wire.tls import make_server_tls
 
         server, pin = make_server_tls()
     token_file = folder / f"token-{topology}-{'tls' if tls else 'tcp'}"

@@ -40,7 +40,7 @@ start=$(date +%s)
 # the GPU tier: every test marked cuda (the 2+-GPU ones skip on one GPU, saying so)
 timeout 270 "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --timeout 240 \
     --junitxml="$RESULTS/gpu-tier.xml" \
-    tests/test_cuda.py tests/test_cuda_shared.py tests/test_cuda_kernel.py tests/test_api.py \
+    tests/pool/test_cuda.py tests/pool/test_cuda_shared.py tests/pool/test_cuda_kernel.py tests/notebook/test_api.py \
     2>&1 | tee "$RESULTS/gpu-tier.log"
 tier=${PIPESTATUS[0]}
 

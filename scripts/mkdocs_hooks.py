@@ -6,7 +6,7 @@ MARKER = "<!-- nbddp: magics help -->"
 
 
 def magics_help() -> str:
-    from nbddp import magics
+    from nbddp.notebook import magics
 
     parts = []
     for title, parser in magics.PARSERS.items():  # every magic with options

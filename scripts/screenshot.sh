@@ -6,5 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NBDDP_SCREENSHOT=1
-timeout 900 .venv/bin/python -m pytest -q -s -p no:cacheprovider tests/test_browser.py \
+timeout 900 .venv/bin/python -m pytest -q -s -p no:cacheprovider tests/dashboard/test_browser.py \
     -k test_a_training_cell_shows_one_folded_bar

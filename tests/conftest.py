@@ -8,10 +8,17 @@ machine and on a GPU machine alike.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 # before any CUDA probe: torch.cuda.is_available() asks NVML instead of initialising the
 # CUDA driver in this process, which would break the CUDA probe of a rank forked from it
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+# a test folder per part (tests/pool, tests/rank, ...); tests import each other's
+# helpers by module name (from test_kernel import execute), whichever runs first
+sys.path.extend(
+    str(p) for p in sorted(Path(__file__).parent.iterdir()) if p.is_dir() and p.name[0] not in "_."
+)
 
 import pytest
 

@@ -2,12 +2,12 @@
 
 The suite's tests mean CPU ranks. On a machine with a GPU, a pool started with neither
 ``--device`` nor ``--backend`` puts its ranks on the GPU (sharing one over gloo,
-:mod:`nbddp.gpus`), and a kernel's ``%%ddp -n 4`` says so in a line the tests do not
+:mod:`nbddp.rank.gpus`), and a kernel's ``%%ddp -n 4`` says so in a line the tests do not
 expect. So, for each test not marked ``cuda`` (conftest's ``pytest_runtest_setup``), this
 process's CUDA probes (``torch.cuda.is_available``, ``device_count``: what
-:func:`nbddp.gpus.visible_gpus` and the layout checks read) say no GPU, and
+:func:`nbddp.rank.gpus.visible_gpus` and the layout checks read) say no GPU, and
 ``CUDA_VISIBLE_DEVICES=""`` hides the GPUs from every process it starts: ranks (a rank's
-environment is the notebook's, :func:`nbddp.processes.rank_env`), kernels, Jupyter
+environment is the notebook's, :func:`nbddp.pool.processes.rank_env`), kernels, Jupyter
 servers, torchrun. A test marked ``cuda`` sees the machine as it is.
 
 The ``cuda`` tests run after all the others (:func:`cuda_last`): they make CUDA tensors in

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import psutil
 
-from nbddp import protocol as P
+from nbddp.wire import protocol as P
 
 
 def iopub_until_idle(kc, code: str, timeout: float = 60):
@@ -208,10 +208,10 @@ class DetachedFamily:
     """
 
     def __init__(self, name: str) -> None:
-        from nbddp import detached_wire
+        from nbddp.detached import messages
 
         self.name = name
-        self.folder = detached_wire.folder_of(name)
+        self.folder = messages.folder_of(name)
         with open(os.path.join(self.folder, "info.json")) as f:
             self.supervisor = psutil.Process(json.load(f)["pid"])
         self.procs: dict[int, psutil.Process] = {}
@@ -289,8 +289,8 @@ WIDGET_MANAGER = "@jupyter-widgets/jupyterlab-manager"  # ipywidgets' (jupyterla
 def detached_family(name: str) -> Iterator[DetachedFamily]:
     """The detached pool ``name``'s family, for a test; whatever the test left of it (a
     failed test's) is stopped by name, or killed, and removed after."""
-    from nbddp import detached_client
-    from nbddp.errors import NbddpError
+    from nbddp.detached import client
+    from nbddp.pool.errors import NbddpError
 
     family = DetachedFamily(name)
     try:
@@ -298,7 +298,7 @@ def detached_family(name: str) -> Iterator[DetachedFamily]:
     finally:
         if family.supervisor.pid in family.alive(timeout=0):
             with contextlib.suppress(NbddpError):
-                detached_client.stop(name)
+                client.stop(name)
         family.clean()
 
 

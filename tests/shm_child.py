@@ -52,8 +52,8 @@ class Child:
 
     def leftovers(self) -> list[str]:
         """Files left in the pool's folders, shared memory and disk (markers aside)."""
-        from nbddp.carriers import twin
-        from nbddp.session import default_pool
+        from nbddp.notebook.session import default_pool
+        from nbddp.wire.carriers import twin
 
         shm = default_pool().shm_folder
         left = []
@@ -81,7 +81,7 @@ def need(c: Child) -> bool:
 def race(c: Child) -> bool:
     """The check said there was room, but the write ran out (another writer was faster):
     the partial file goes, and the value is written again on disk."""
-    import nbddp.carriers as carriers
+    import nbddp.wire.carriers as carriers
 
     real, carriers.room = carriers.room, lambda folder, nbytes: True
     try:

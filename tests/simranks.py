@@ -22,9 +22,9 @@ import sys
 import types
 from pathlib import Path
 
-P = None  # nbddp.protocol, loaded by _load_protocol()
-R = None  # nbddp.relay
-W = None  # nbddp.handshake
+P = None  # nbddp.wire.protocol, loaded by _load_protocol()
+R = None  # nbddp.hosts.relay
+W = None  # nbddp.wire.handshake
 
 
 def _load_protocol():
@@ -35,9 +35,9 @@ def _load_protocol():
         package = types.ModuleType("nbddp")
         package.__path__ = [str(Path(__file__).resolve().parent.parent / "src" / "nbddp")]
         sys.modules["nbddp"] = package
-    P = importlib.import_module("nbddp.protocol")
-    R = importlib.import_module("nbddp.relay")
-    W = importlib.import_module("nbddp.handshake")
+    P = importlib.import_module("nbddp.wire.protocol")
+    R = importlib.import_module("nbddp.hosts.relay")
+    W = importlib.import_module("nbddp.wire.handshake")
 
 
 def Client(addr, family, authkey):  # (named as multiprocessing's was)

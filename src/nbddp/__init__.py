@@ -6,10 +6,9 @@ torch.distributed process group that persist across cells.
 
 from __future__ import annotations
 
-from .api import in_torchddp, ranch
-from .collectives import all_to_all, gather_objects, gather_tensors
-from .ddp import DDPContext
-from .errors import (
+from .detached.client import connect as connect_detached
+from .notebook.api import in_torchddp, ranch
+from .pool.errors import (
     CaptureError,
     CellDeadlocked,
     CellFailed,
@@ -20,10 +19,16 @@ from .errors import (
     RankDied,
     RankFailed,
 )
-from .metrics import log_metrics
-from .pool import Pool, RankStatus
-from .rich import progress
-from .workspace import Workspace
+from .pool.facade import Pool, RankStatus
+from .rank.collectives import all_to_all, gather_objects, gather_tensors
+from .rank.ddp import DDPContext
+from .rank.metrics import log_metrics
+from .rank.rich import progress
+from .rank.workspace import Workspace
+
+# ``nbddp.Pool.connect(NAME)``: the detached pool NAME, as it was (docs/detached.md).
+# Given here, above both: the pool core knows no detached pools, they are built on it.
+Pool.connect = staticmethod(connect_detached)  # type: ignore[attr-defined]
 
 __version__ = "0.1.0"
 
@@ -55,12 +60,12 @@ __all__ = [
 
 
 def load_ipython_extension(ipython) -> None:
-    from .magics import load
+    from .notebook.magics import load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython) -> None:
-    from .magics import unload
+    from .notebook.magics import unload
 
     unload(ipython)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .export import check_target, export_notebook
+from .notebook.export import check_target, export_notebook
 
 
 def main(argv: list[str] | None = None) -> int:

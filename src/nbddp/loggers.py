@@ -21,7 +21,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from .metrics import log_metrics
+from .rank.metrics import log_metrics
 
 __all__ = ["AccelerateTracker", "LightningLogger"]  # noqa: F822 (built by __getattr__)
 

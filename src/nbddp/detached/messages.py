@@ -1,0 +1,275 @@
+"""The messages between a kernel and a detached pool's supervisor, and where pools live.
+
+A detached pool (``%ddp start --detached NAME``) is a :class:`~nbddp.pool.facade.Pool`
+run by a supervisor process of its own (:mod:`nbddp.detached.server`); a kernel is
+its client (:mod:`nbddp.detached.client`) over one Unix socket in the pool's
+private folder, ``~/.nbddp/pools/NAME/`` (0700), authenticated with the
+token in ``token`` (0600) by :mod:`nbddp.wire.handshake`'s SHA-256 challenge, both ways,
+before anything is unpickled. These messages carry the user's own values (a
+call's arguments, a cell's results) and are unpickled whole: both ends are
+processes of the same user, on a socket only that user can reach::
+
+    kernel                                   supervisor
+    Hello(pid, force) ---------------------->
+                   <------------------------ Welcome(state, resumed) | Refused(reason)
+                   <------------------------ Event(.., resumed) ... (a cell that ran meanwhile)
+    Call(method, args, kwargs, request) ---->
+                   <------------------------ Reply(value, state, request) | Failed(...)
+    RunCell(kwargs, request) --------------->
+                   <------------------------ Event(.., request) ... (CellEnd), then Reply
+    Interrupt(request) | DebugReply -------->   (any time)
+                   <------------------------ TakenOver(pid)   (another kernel connected)
+    Leave() -------------------------------->   (%ddp disconnect)
+                   <------------------------ ... Bye()   (nothing more comes)
+    Unread(items) -------------------------->   (what it got but did not read: kept)
+
+A kernel always leaves by Leave, Bye and Unread: one that only closes crashed, and what
+was being written to it when it went is kept for the next kernel (it may not have come).
+
+Every request carries an id of the kernel's choosing (random at each connect, so two
+kernels' ids never meet), and everything the supervisor answers carries the id of the
+request it answers: a kernel routes what comes by id, and never takes one cell's (or a
+killed kernel's cell's) events or reply for another request's.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..wire import protocol as P
+from ..wire.frames import Channel
+
+__all__ = [
+    "ADDRESS",
+    "BACKLOG",
+    "IDLE_TIMEOUT",
+    "JOINED",
+    "Backlog",
+    "Batch",
+    "Bye",
+    "Call",
+    "DebugReply",
+    "Event",
+    "Failed",
+    "Hello",
+    "Interrupt",
+    "Leave",
+    "Link",
+    "PoolState",
+    "Refused",
+    "Reply",
+    "RunCell",
+    "TakenOver",
+    "Unread",
+    "Welcome",
+    "folder_of",
+    "pools_folder",
+]
+
+VERSION = 2  # 2: requests and answers carry an id
+BACKLOG = 10_000  # output events kept for a kernel that does not read them now
+IDLE_TIMEOUT = 3600.0  # s without a kernel before the pool stops itself (0: never)
+# an attached pool's start (``%ddp attach --detached``), in its folder: where its supervisor
+# listens for the ranks (written once it listens), and how many have joined so far
+ADDRESS, JOINED = "address", "joined"
+
+
+class Link:
+    """One kernel's connection to a supervisor: whole objects each way."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self._lock = threading.Lock()  # several threads send
+
+    def send(self, msg: object) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self.channel.send_bytes(data)
+
+    def recv(self) -> object:
+        return pickle.loads(self.channel.recv_bytes())
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        return self.channel.poll(timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def pools_folder() -> str:
+    """Where this user's detached pools live (``$NBDDP_HOME/pools``, ``~/.nbddp/pools``)."""
+    home = os.environ.get("NBDDP_HOME") or os.path.expanduser("~/.nbddp")
+    return os.path.join(home, "pools")
+
+
+def folder_of(name: str) -> str:
+    if not name or not name.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"a detached pool's name is letters, digits, - and _, not {name!r}")
+    return os.path.join(pools_folder(), name)
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """What a kernel reads of the pool without asking: sent with every reply."""
+
+    name: str
+    world_size: int
+    started: bool
+    needs_restart: bool
+    hosts: dict[int, str]
+    shm_folder: str | None
+    generation: int
+    devices: list[str]
+    pids: list[int]
+    backend: str
+    last_stacks: dict = field(default_factory=dict)
+    grace: float = 3.0  # s the ranks have to come back from an interrupt
+    attached: bool = False  # its ranks were started elsewhere (torchrun) and connected in
+
+
+@dataclass(frozen=True)
+class Hello:
+    pid: int
+    force: bool = False  # take over from a kernel that is connected
+    peek: bool = False  # only ask what the pool is (%ddp list): a Reply, then goodbye
+    version: int = VERSION
+
+
+@dataclass(frozen=True)
+class Welcome:
+    state: PoolState
+    resumed: int | None  # the request id of a cell that ran meanwhile: its events follow
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: str
+
+
+@dataclass(frozen=True)
+class TakenOver:
+    pid: int  # the kernel that took the pool over
+
+
+@dataclass(frozen=True)
+class Call:
+    method: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    request: int | None = None
+
+
+@dataclass(frozen=True)
+class Reply:
+    value: object
+    state: PoolState
+    request: int | None = None  # the request it answers (None: a peek)
+
+
+@dataclass(frozen=True)
+class Failed:
+    exc_type: str  # the name of an nbddp error class, or of a builtin one
+    message: str
+    state: PoolState
+    request: int | None = None
+
+
+@dataclass(frozen=True)
+class RunCell:
+    kwargs: dict  # Pool.run's; shipments as (data, files)
+    request: int | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    event: object  # an nbddp.wire.events event
+    request: int | None = None  # the RunCell whose cell gave it
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Events (and the reply that ends a cell) sent together: the supervisor holds what
+    comes while it works and sends it before it waits, so a cell costs one message, not
+    one per event, and no event waits."""
+
+    items: tuple
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    request: int | None = None  # the cell to interrupt (None: whichever runs)
+
+
+@dataclass(frozen=True)
+class Leave:
+    """The kernel disconnects: send nothing more (then Bye)."""
+
+
+@dataclass(frozen=True)
+class Bye:
+    """Nothing more comes on this connection."""
+
+
+@dataclass(frozen=True)
+class Unread:
+    """What the kernel received and did not read (a cell's rest): kept for the next one."""
+
+    items: tuple
+
+
+@dataclass(frozen=True)
+class DebugReply:
+    prompt: object  # the RankDebug it answers
+    line: str | None
+
+
+def is_output(item: object) -> bool:
+    return isinstance(item, Event) and isinstance(item.event, P.Output)
+
+
+class Backlog:
+    """What waits for a kernel to read it, in order, with at most ``limit`` output events
+    (the oldest go first, counted in :attr:`dropped`; every other event is kept)."""
+
+    def __init__(self, limit: int = BACKLOG) -> None:
+        self.limit = limit
+        self.items: deque = deque()
+        self.outputs = 0  # output events held
+        self.dropped = 0  # output events dropped so far
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def extend(self, items, front: bool = False) -> None:
+        items = [x for i in items for x in (i.items if isinstance(i, Batch) else (i,))]
+        if front:
+            self.items.extendleft(reversed(items))
+        else:
+            self.items.extend(items)
+        self.outputs += sum(map(is_output, items))
+        if self.outputs > self.limit * 1.25:  # (amortized: one pass drops many)
+            self._drop()
+
+    def pop(self) -> object:
+        item = self.items.popleft()
+        self.outputs -= is_output(item)
+        return item
+
+    def take(self) -> tuple:
+        items, self.items, self.outputs = tuple(self.items), deque(), 0
+        return items
+
+    def _drop(self) -> None:
+        drop = self.outputs - self.limit
+        kept: deque = deque()
+        for item in self.items:
+            if drop and is_output(item):
+                drop -= 1
+                self.dropped += 1
+            else:
+                kept.append(item)
+        self.items, self.outputs = kept, self.limit

@@ -1,0 +1,62 @@
+"""What ``%ddp status`` and ``%ddp stacks`` print."""
+
+from __future__ import annotations
+
+from ..dashboard.sinks import columns
+from ..pool.hosts_lost import missing_line
+from ..wire import stacks as S
+
+__all__ = ["counts_line", "stacks", "status"]
+
+NO_POOL = "nbddp: no pool is running"
+
+
+def status(pool) -> str:
+    """One row per rank: pid, host, device, state, uptime, memory."""
+    missing = getattr(getattr(pool, "roster", None), "missing", None)
+    if pool is None or not (pool.started or missing):
+        return NO_POOL
+    rows = [("rank", "pid", "host", "device", "state", "uptime", "rss")]
+    for s in pool.status():
+        rss = "-" if s.rss is None else f"{s.rss / 2**20:.0f} MiB"
+        rows.append((str(s.rank), str(s.pid), s.host, s.device, s.state, f"{s.uptime:.0f} s", rss))
+    table = columns(rows)
+    return table + f"\nnbddp: {missing_line(pool)}" if missing else table
+
+
+def stacks(pool) -> str:
+    """Every rank's current Python stack, grouped; and where the last stuck cell was."""
+    if pool is None or not pool.started:
+        return NO_POOL
+    now = pool.stacks(counts=True)
+    busy = {rank: frames for rank, (frames, _) in now.items() if frames}
+    lines = (
+        S.format_groups(busy)
+        if busy
+        else [f"nbddp: every rank is idle ({S.rank_set(sorted(now))})"]
+    )
+    lines += counts_line({rank: n for rank, (_, n) in now.items()}, set(busy))
+    if pool.last_stacks:
+        lines.append("where the ranks were when the last cell was interrupted or timed out:")
+        lines += S.format_groups(pool.last_stacks)
+        last = getattr(pool, "last_counts", {})  # (a detached pool's are not kept)
+        lines += counts_line(last, set(last))
+    return "\n".join(lines)
+
+
+def counts_line(counts: dict[int, int], running: set[int]) -> list[str]:
+    """``collectives issued on the default group: ranks 0, 1 #1208, rank 2 #1190
+    (behind)`` (behind: a running rank below the highest count; an idle rank may just
+    not have run a ``--ranks`` cell), or nothing when no count is known."""
+    by: dict[int, list[int]] = {}
+    for rank, n in sorted(counts.items()):
+        if n >= 0:
+            by.setdefault(n, []).append(rank)
+    if not by:
+        return []
+    top = max(by)
+    said = ", ".join(
+        f"{S.rank_set(ranks)} #{n}{' (behind)' * (n < top and bool(running & set(ranks)))}"
+        for n, ranks in sorted(by.items(), key=lambda nr: nr[1])
+    )
+    return [f"collectives issued on the default group: {said}"]

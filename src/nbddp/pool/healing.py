@@ -1,0 +1,71 @@
+"""``--heal``: a rank that took a dead one's place gets the named objects from a survivor.
+
+``%ddp start --heal model,opt`` (``Pool(heal=["model", "opt"])``): once a dead
+rank's new process has joined the re-formed group, and before the next cell, the
+pool copies those names from the lowest live survivor to every new rank with
+:func:`nbddp.pool.copying.copy` (DDP wrappers are wrapped again on every rank, which
+the re-formed group needs anyway: the survivors' old wrappers were bound to the
+old group). So a training loop goes on in the next cell. The replaced rank's note
+says what was healed, from which rank, and how long it took
+(:mod:`nbddp.pool.deathnote`); what could not be healed is said there too, and the
+pool goes on.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .deathnote import Healed
+from .errors import NbddpError
+
+__all__ = ["check_heal", "heal"]
+
+
+def check_heal(heal, on_death: str) -> tuple[str, ...]:
+    """The names ``heal`` gives (a list, or a comma/space separated string); ValueError
+    for a name that is not one, or a pool that restarts instead of replacing."""
+    if not heal:
+        return ()
+    names = heal.replace(",", " ").split() if isinstance(heal, str) else list(heal)
+    bad = [n for n in names if not isinstance(n, str) or not n.isidentifier()]
+    if bad:
+        raise ValueError(f"heal: not a name: {bad[0]!r}")
+    if on_death != "replace":
+        raise ValueError("heal: a pool with on_death='restart' replaces no rank to heal")
+    return tuple(dict.fromkeys(names))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def heal(pool, new: list[int]) -> Healed | None:
+    """Copy ``pool.heal`` from the lowest survivor to the ``new`` ranks; what it did (None:
+    nothing to heal). The notes the copy's own cells make stay the pool's."""
+    names = list(getattr(pool, "heal", ()) or ())
+    if not names or not new or pool.needs_restart:
+        return None
+    live = [r for r in sorted(pool.roster.ranks) if r not in new]
+    if not live:
+        return Healed(tuple(names), -1, 0.0, "every rank is new: no survivor to copy from")
+    src = live[0]
+    source = pool.roster[src]
+    has = source.names | {h.name for h in source.held}
+    missing = [n for n in names if n not in has]
+    names = [n for n in names if n in has]
+    if not names:
+        return Healed(tuple(missing), src, 0.0, f"rank {src} has none of them")
+    # the copy's cells would take the notes and the output that wait for the next cell
+    notes, pool.notes = pool.notes, []
+    backlog, pool.roster.backlog = pool.roster.backlog, []
+    t0 = time.monotonic()
+    try:
+        done = pool.copy(names, src, new)
+    except (NbddpError, KeyboardInterrupt) as exc:
+        error = "interrupted" if isinstance(exc, KeyboardInterrupt) else _one_line(exc)
+        return Healed(tuple(names), src, time.monotonic() - t0, error)
+    finally:
+        pool.notes = notes + pool.notes
+        pool.roster.backlog = backlog + pool.roster.backlog
+    return Healed(done.names, src, time.monotonic() - t0, "", done.rewrapped, tuple(missing))

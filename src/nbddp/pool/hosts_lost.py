@@ -1,0 +1,158 @@
+"""A lost host of an attached pool: its ranks are missing until a replacement host rejoins.
+
+A host is lost when its relay's connection ends with its ranks (the host died, or its
+relay, holders and ranks were killed): nothing is left there to fork new processes.
+The pool is not stopped. The host's ranks are *missing*: every other rank keeps its
+namespace and waits, ``%ddp status`` shows them, and a cell asked for meanwhile is
+refused at once in one line (nothing runs, nothing is lost).
+
+The same launch command started on a replacement host (its torchrun node rank, the
+same ``--master-addr``/``--master-port``) starts a relay and holders there; their
+ranks connect with the same ``RANK`` values, authenticated as the first ones, and are
+held back as a holder's new process is (:meth:`nbddp.pool.roster.Roster.parked`): only a
+missing rank is taken so. Once every missing rank came, the next cell re-forms the
+group at full size with them (:func:`nbddp.pool.recovery.replace`: the same notes,
+``%ddp copy`` and ``--heal`` as for a rank replaced on its host).
+
+The ranks meet for a re-form in torchrun's store, which its agent on the first node
+(node rank 0, the host of rank 0) holds: lost with that host, the others cannot meet
+again, so the pool is stopped, and says why (:func:`why_not`).
+"""
+
+from __future__ import annotations
+
+from ..wire import protocol as P
+from ..wire import stacks as S
+from .errors import PoolClosedError
+
+__all__ = [
+    "HostsMissing",
+    "arrived",
+    "defer",
+    "missing_line",
+    "store_lost",
+    "take_gone",
+    "why_not",
+]
+
+STORE_RANK = 0  # torchrun's agent store is on the node of global rank 0
+
+
+class HostsMissing(PoolClosedError):
+    """Ranks of a lost host have not come back yet: nothing ran, nothing was lost."""
+
+
+def host_lost(r) -> bool:
+    """``r``'s host relay ended: nothing is left on its host to reach the notebook."""
+    relay = r.link.relay
+    return relay is not None and relay.ended
+
+
+def store_lost(pool) -> bool:
+    """The host of torchrun's store (rank 0's) was lost: the ranks cannot meet again."""
+    r0 = pool.roster.ranks.get(STORE_RANK)
+    return STORE_RANK in pool.roster.missing or (r0 is not None and host_lost(r0))
+
+
+def _by_host(table: dict[int, str]) -> dict[str, str]:
+    """{host: ``ranks 2, 3``}, in rank order."""
+    by_host: dict[str, list[int]] = {}
+    for rank, host in sorted(table.items()):
+        by_host.setdefault(host, []).append(rank)
+    return {h: S.rank_set(rs) for h, rs in by_host.items()}
+
+
+def _hosts(table: dict[int, str]) -> str:
+    """``host node-b (ranks 2, 3)``, for each host."""
+    return ", ".join(f"host {h} ({rs})" for h, rs in _by_host(table).items())
+
+
+def _of_hosts(table: dict[int, str]) -> str:
+    """``ranks 2, 3 of host node-b``, for each host."""
+    return ", ".join(f"{rs} of host {h}" for h, rs in _by_host(table).items())
+
+
+def _lost_ranks(pool) -> dict[int, str]:
+    return {n: r.host for n, r in pool.roster.ranks.items() if host_lost(r)}
+
+
+def why_not(pool) -> str:
+    """Why an attached pool that lost ranks was stopped, when a lost host held the store."""
+    if not store_lost(pool):
+        return ""
+    lost = {**_lost_ranks(pool), **pool.roster.missing}
+    return (
+        f"{_hosts(lost)} was lost with torchrun's store (its agent on node rank 0 held it, "
+        "where the ranks meet to re-form), so the others cannot meet again"
+    )
+
+
+def take_gone(pool, rank: int) -> bool:
+    """A rank's connection ended between cells: missing (True) if its host was lost and
+    can come back, else only dead."""
+    r = pool.roster[rank]
+    r.state = "dead"
+    if r.renewable and host_lost(r) and not store_lost(pool):
+        _mark(pool, {rank: r.host})
+        return True
+    return False
+
+
+def defer(pool, dead: list[int]) -> bool:
+    """Whether the re-form for ``dead`` waits for a replacement host: some of them are on a
+    lost host and have not come back (each is marked missing and said in a note), or
+    ranks are missing already (the other dead ranks' new processes wait with them)."""
+    roster = pool.roster
+    lost = {
+        n: roster[n].host
+        for n in dead
+        if host_lost(roster[n]) and roster.parked(n) is None and n not in roster.missing
+    }
+    _mark(pool, lost)
+    return bool(roster.missing) and any(roster.parked(n) is None for n in roster.missing)
+
+
+def _mark(pool, lost: dict[int, str]) -> None:
+    if not lost:
+        return
+    pool.roster.missing.update(lost)
+    pool.notes.append(
+        f"{_hosts(lost)} was lost (its relay's connection closed with its ranks): the pool "
+        "waits for it, and every other rank keeps its namespace; start the same launch "
+        "command on a replacement host to bring its ranks back (fresh: `%ddp copy` or "
+        "--heal gives them what a survivor holds)"
+    )
+
+
+def missing_line(pool) -> str:
+    """One line: which ranks are missing, on which lost host, and what brings them back."""
+    missing = pool.roster.missing
+    came = sorted(n for n in missing if pool.roster.parked(n) is not None)
+    also = f"; {S.rank_set(came)} came back already" if came else ""
+    return (
+        f"{_of_hosts(missing)} {_are(missing)} missing: "
+        f"the host was lost; nothing ran and every other rank keeps its namespace; start the "
+        f"same launch command on a replacement host and run the cell again{also}"
+    )
+
+
+def _are(ranks) -> str:
+    return "are" if len(ranks) > 1 else "is"
+
+
+def arrived(pool) -> list[int]:
+    """The dead ranks to take back now that every missing rank came from a replacement
+    host (a note says from where); HostsMissing, at once, while one has not."""
+    roster = pool.roster
+    if not roster.missing:
+        return []
+    hellos = {n: roster.parked(n) for n in roster.missing}
+    if any(h is None for h in hellos.values()):
+        raise HostsMissing(missing_line(pool))
+    new_hosts = sorted({h.host for h in hellos.values() if isinstance(h, P.Hello)})
+    pool.notes.append(
+        f"{_hosts(roster.missing)} rejoined from {', '.join(new_hosts)}: its ranks are new "
+        "processes there"
+    )
+    roster.missing.clear()
+    return sorted(n for n, r in roster.ranks.items() if r.state == "dead")

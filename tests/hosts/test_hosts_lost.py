@@ -1,0 +1,122 @@
+"""A lost host (nbddp.pool.hosts_lost) with simulated hosts of held ranks behind real relays:
+cheap at 8 ranks a host and 3 hosts (tests/hosts/test_netns.py does it with torchrun and real
+process groups in network namespaces).
+
+A host is lost when its relay and its ranks are SIGKILLed: the others keep their state
+and wait, ``%ddp status`` and a cell say which ranks of which host are missing at once,
+and ranks started for them again (a replacement host) are taken back at full size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import time
+
+import pytest
+
+import simranks
+from helpers import collect
+from nbddp import CellFailed, Pool, PoolClosedError
+from nbddp.notebook import reports
+from nbddp.pool.hosts_lost import HostsMissing
+
+SHOW_X = "print(rank, globals().get('x'))"
+
+
+@contextlib.contextmanager
+def sim_hosts(hosts: int, per_host: int):
+    """(pool, start(ranks)): ``hosts`` simulated hosts of held ranks, one process and one
+    relay each; ``start(ranks)`` starts those ranks again, as a replacement host."""
+    world, token = hosts * per_host, secrets.token_bytes(16)
+    pool = Pool(world, listen=("127.0.0.1", 0), token=token, start_timeout=60)
+    address, sims = pool.listen(), []
+
+    def start(ranks: range | None = None) -> list:
+        procs = 1 if ranks is not None else hosts
+        new = simranks.start(
+            address, token, world, procs, per_host=per_host, relay=True, held=True, ranks=ranks
+        )
+        sims.extend(new)
+        return new
+
+    try:
+        start()
+        pool.start()
+        yield pool, sims, start
+    finally:
+        pool.stop()
+        for sim in sims:
+            with contextlib.suppress(Exception):
+                sim.wait(30)
+            if sim.poll() is None:
+                sim.kill()
+                sim.wait()
+
+
+def lose_host(pool, sim, first: int) -> None:
+    """SIGKILL a simulated host: the process serving its ranks, and its relay."""
+    relay = next(r for r in pool.hub.relays if r.ranks and min(r.ranks) == first)
+    sim.kill()
+    os.kill(relay.pid, signal.SIGKILL)
+    sim.wait(30)
+
+
+def shown(pool) -> dict[int, str]:
+    text, _, _ = collect(pool.run(SHOW_X))
+    return {rank: t.strip() for (rank, stream), t in text.items() if stream == "stdout"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("hosts", "per_host"), [(2, 8), (3, 4)], ids=["2x8", "3x4"])
+def test_a_lost_host_waits_and_its_ranks_rejoin_from_a_replacement(hosts, per_host):
+    world, lost = hosts * per_host, range(per_host, 2 * per_host)
+    with sim_hosts(hosts, per_host) as (pool, sims, start):
+        pool.execute("x = rank * 10")
+        lose_host(pool, sims[1], per_host)
+        deadline = time.monotonic() + 30
+        while not any(s.state == "missing" for s in pool.status()):
+            assert time.monotonic() < deadline, "the lost host's ranks never showed as missing"
+            time.sleep(0.05)
+        rows = [(s.rank, s.host) for s in pool.status() if s.state == "missing"]
+        assert rows == [(r, "sim1") for r in lost]
+        assert "of host sim1 are missing" in reports.status(pool).splitlines()[-1]
+        t0 = time.monotonic()
+        with pytest.raises(HostsMissing, match=rf"ranks {per_host}-{2 * per_host - 1} of host"):
+            pool.execute("x = None")
+        assert time.monotonic() - t0 < 10, "refused at once, not after a wait"
+        start(lost)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                pool.ready()
+                break
+            except HostsMissing:
+                assert time.monotonic() < deadline, "the replacement's ranks were not taken"
+                time.sleep(0.05)
+        _, _, end = collect(pool.run("1"))
+        said = " ".join(end.notes)
+        assert "was lost" in said, said
+        assert "rejoined from sim1" in said, said
+        assert f"re-formed with the new ranks {per_host}-{2 * per_host - 1}" in said, said
+        values = shown(pool)
+        expect = {r: "None" if r in lost else str(r * 10) for r in range(world)}
+        assert values == {r: f"{r} {v}" for r, v in expect.items()}, "the others kept x"
+        assert [s.state for s in pool.status()] == ["idle"] * world
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_host_that_held_the_store_stops_the_pool_and_says_why():
+    with sim_hosts(2, 4) as (pool, sims, _):
+        lose_host(pool, sims[0], 0)
+        # (a cell that starts before the notebook saw the host go fails with the same words)
+        with pytest.raises((PoolClosedError, CellFailed)) as caught:  # noqa: PT012
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                pool.execute("1")
+                time.sleep(0.05)
+        said = str(caught.value)
+        assert "host sim0 (ranks 0-3) was lost with torchrun's store" in said, said
+        assert "start torchrun again and attach again" in said, said

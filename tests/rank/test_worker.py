@@ -1,0 +1,81 @@
+"""The worker's pure parts; the worker as a process is tested through the pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from nbddp.rank.worker import adopt, error_info, parse_address, run_code
+
+
+def test_run_code_returns_the_last_expression():
+    ns: dict = {}
+    assert run_code("x = 2\nx * 3", "<ddp-cell-1>", ns) == 6
+    assert run_code("y = x", "<ddp-cell-2>", ns) is None
+    assert ns["y"] == 2
+
+
+def test_errors_carry_the_cells_own_line_numbers_and_no_worker_frames():
+    try:
+        run_code("a = 1\nb = 2\n1 / 0", "<ddp-cell-5>", {})
+    except ZeroDivisionError as exc:
+        info = error_info(exc)
+    assert info.exc_type == "ZeroDivisionError"
+    assert info.message == "division by zero"
+    assert 'File "<ddp-cell-5>", line 3, in <module>' in info.traceback
+    assert "1 / 0" in info.traceback  # the source line is shown
+    assert "worker.py" not in info.traceback
+
+
+def test_syntax_errors_point_into_the_cell():
+    with pytest.raises(SyntaxError) as caught:
+        run_code("x = (", "<ddp-cell-9>", {})
+    info = error_info(caught.value)
+    assert info.exc_type == "SyntaxError"
+    assert "<ddp-cell-9>" in info.traceback
+
+
+def test_adopted_functions_see_the_ranks_namespace():
+    helper_globals = {"scale": 10}
+    exec("def f(x):\n    return x * scale + offset", helper_globals)
+    ns = {"offset": 1, "scale": 3}
+    g = adopt(helper_globals["f"], ns)
+    assert g(2) == 7  # the rank's own scale and offset win
+    assert ns["scale"] == 3
+
+
+def test_adoption_adds_names_the_rank_lacks():
+    helper_globals = {"scale": 10}
+    exec("def f(x):\n    return x * scale", helper_globals)
+    ns: dict = {}
+    assert adopt(helper_globals["f"], ns)(2) == 20
+    assert ns["scale"] == 10
+
+
+def test_addresses():
+    assert parse_address("/tmp/x/pool.sock") == ("/tmp/x/pool.sock", "AF_UNIX")
+    assert parse_address("unix:rel.sock") == ("rel.sock", "AF_UNIX")
+    assert parse_address("10.0.0.1:5555") == (("10.0.0.1", 5555), "AF_INET")
+
+
+def test_a_rank_waits_for_the_stores_address_with_a_deadline_and_keeps_other_messages(
+    monkeypatch,
+):
+    """Issue 35.7: no unbounded wait and no ``assert`` on what the pool sends."""
+    import queue
+
+    from nbddp.rank import group as G
+    from nbddp.wire import protocol as P
+
+    inbox: queue.Queue = queue.Queue()
+    keeper = G.GroupKeeper(1, 2, lambda msg: None, inbox)
+    first, later = P.Interrupt(7), P.Interrupt(8)
+    for msg in (first, P.JoinGroup(4242), later):
+        inbox.put(msg)
+    assert keeper._store_port() == 4242
+    assert [inbox.get_nowait(), inbox.get_nowait()] == [first, later]  # kept, in order
+    inbox.put(P.AbortGroup())
+    with pytest.raises(RuntimeError, match="gave up forming the group"):
+        keeper._store_port()
+    monkeypatch.setattr(G, "JOIN_TIMEOUT", 0.2)
+    with pytest.raises(TimeoutError, match=r"rank 1 waited 0\.2 s for rank 0's store address"):
+        keeper._store_port()
