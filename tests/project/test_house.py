@@ -24,7 +24,7 @@ CORE = {"pool", "detached"}  # the pool core (in the kernel, or its own process)
 RANK_SIDE = {"rank", "hosts"}  # the processes torchrun or the pool starts on a host
 TOP = {"__init__", "__main__", "demo", "loggers", "worker"}  # the public surface
 FRONT_END_LIBRARIES = ("IPython", "ipykernel", "ipywidgets", "anywidget")
-MAX_LINES = 450
+MAX_LINES = 400
 
 
 def _type_checking(node: ast.If) -> bool:

@@ -42,11 +42,11 @@ The cell::
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 from ..wire.stacks import Frame, collective
 from .deadlock import Deadlock, Seen, disagreeing, judge
+from .phases import ENDED, FINAL, Phases
 
 __all__ = ["Action", "CellSupervisor"]
 
@@ -55,36 +55,6 @@ SAMPLE_FAST = 0.1  # stacks after a failure, to abort as soon as the others wait
 SETTLE = 0.2  # seen waiting in the same collective this long after a failure: blocked
 SUSPECT_EVERY = 0.25  # positions while some ranks have finished and others still run
 DISAGREE_SETTLE = 0.3  # ranks in different collectives at one place this long: deadlocked
-
-ENDED = ("ok", "failed", "interrupted", "dead", "stopped")
-
-
-_FINAL = {"ok": "ok", "error": "failed"}  # a Done's status -> the phase it ends in
-
-
-class _Phases(dict):
-    """rank -> phase, counting ranks per phase as they change: ``finished`` and the
-    deadline ask after every event, and must not walk a thousand ranks each time."""
-
-    def __init__(self, ranks, phase: str) -> None:
-        super().__init__((r, phase) for r in ranks)
-        self.count = Counter({phase: len(self)} if self else {})
-
-    def __setitem__(self, rank: int, phase: str) -> None:
-        if rank in self:
-            self.count[self[rank]] -= 1
-        self.count[phase] += 1
-        super().__setitem__(rank, phase)
-
-    def move(self, ranks: list[int], phase: str) -> None:
-        """Each of ``ranks`` (all now in one phase) to ``phase``, in one step."""
-        if ranks:
-            self.count[self[ranks[0]]] -= len(ranks)
-            self.count[phase] += len(ranks)
-            self.update(dict.fromkeys(ranks, phase))
-
-    def unfinished(self) -> int:
-        return sum(n for phase, n in self.count.items() if phase not in ENDED)
 
 
 @dataclass(frozen=True)
@@ -138,7 +108,7 @@ class CellSupervisor:
     suspect: bool = field(init=False, default=False)  # a rank finished, others run
 
     def __post_init__(self) -> None:
-        self.phase = _Phases(self.targets, "running")
+        self.phase = Phases(self.targets, "running")
         self.started = self.now
         if not self.detect:
             self.others = ()
@@ -202,7 +172,7 @@ class CellSupervisor:
         """:meth:`done` and then :meth:`ended` for each of ``ranks`` at once (ranks behind a
         relay: their output is in when their Done comes). Returns the ranks that ended."""
         running = [r for r in ranks if self.phase.get(r) == "running"]
-        self.phase.move(running, _FINAL.get(status, "interrupted"))
+        self.phase.move(running, FINAL.get(status, "interrupted"))
         self.status.update(dict.fromkeys(running, status))
         if status != "ok":
             for rank in running:
@@ -211,7 +181,7 @@ class CellSupervisor:
         return running
 
     def _final(self, rank: int) -> str:
-        return _FINAL.get(self.status[rank], "interrupted")
+        return FINAL.get(self.status[rank], "interrupted")
 
     def died(self, rank: int, now: float) -> None:
         """The rank's process ended: the group is broken. The others are freed at once
