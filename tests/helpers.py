@@ -102,6 +102,21 @@ def collect(events):
     return text, seen, end
 
 
+def wait_rejoined(pool, timeout: float, why: str) -> None:
+    """Until a lost host's ranks are back in ``pool`` (``pool.ready()`` stops raising
+    HostsMissing), ``timeout`` s at most."""
+    from nbddp.pool.hosts_lost import HostsMissing
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            pool.ready()
+            return
+        except HostsMissing:
+            assert time.monotonic() < deadline, why
+            time.sleep(0.05)
+
+
 def wait_gone(pids, timeout=10.0, zombies=True):
     """Pids still alive after waiting up to ``timeout`` (zombies count as gone if ``zombies``)."""
     deadline = time.monotonic() + timeout

@@ -18,7 +18,7 @@ import time
 import pytest
 
 import simranks
-from helpers import collect
+from helpers import collect, wait_rejoined
 from nbddp import CellFailed, Pool, PoolClosedError
 from nbddp.notebook import reports
 from nbddp.pool.hosts_lost import HostsMissing
@@ -88,14 +88,7 @@ def test_a_lost_host_waits_and_its_ranks_rejoin_from_a_replacement(hosts, per_ho
             pool.execute("x = None")
         assert time.monotonic() - t0 < 10, "refused at once, not after a wait"
         start(lost)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                pool.ready()
-                break
-            except HostsMissing:
-                assert time.monotonic() < deadline, "the replacement's ranks were not taken"
-                time.sleep(0.05)
+        wait_rejoined(pool, 60, "the replacement's ranks were not taken")
         _, _, end = collect(pool.run("1"))
         said = " ".join(end.notes)
         assert "was lost" in said, said

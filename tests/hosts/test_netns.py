@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from helpers import collect, end_all, free_port, namespace_digests
+from helpers import collect, end_all, free_port, namespace_digests, wait_rejoined
 from nbddp import CellFailed, Pool, PoolClosedError
 from nbddp.notebook import remote, reports
 from nbddp.pool.hosts_lost import HostsMissing
@@ -452,14 +452,7 @@ def test_a_lost_host_rejoins_from_a_replacement_host(nodes, tmp_path, hosts, per
         with pytest.raises(HostsMissing, match=r"ranks? .* of host node-b (is|are) missing"):
             pool.execute("w = None")  # refused at once: nothing runs
         procs.launch(nodes[hosts], 1)  # the same command, node rank 1, on another host
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                pool.ready()
-                break
-            except HostsMissing:
-                assert time.monotonic() < deadline, "the replacement host's ranks never came"
-                time.sleep(0.2)
+        wait_rejoined(pool, 180, "the replacement host's ranks never came")
         _, _, end = collect(pool.run("1"))
         said = " ".join(end.notes)
         assert f"rejoined from {nodes[hosts][1]}" in said, said
