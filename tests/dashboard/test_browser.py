@@ -170,7 +170,10 @@ def test_a_breakpoint_in_a_rank_asks_in_the_cells_input_box(lab, page):
         box.press("Enter")
         expect(cell.locator(".jp-InputArea-prompt")).not_to_contain_text("[*]", timeout=60_000)
         expect(cell.locator(".nbddp-row.nbddp-done")).to_have_count(3)
-        expect(cell.locator(".jp-Stdin-input")).to_have_count(2)  # two lines, no third box
+        # two lines asked and answered, no third prompt (JupyterLab 4.6 shows an answered
+        # line as text, earlier versions as a spent input box: count the prompts' text)
+        answered = outputs.inner_text()
+        assert answered.count("(Pdb rank 1)") == 2, answered
 
 
 # rank 2 of 4 kills itself while the others wait for it in all_reduce; the cell after it
