@@ -43,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 CROWD = HERE.parent / "tests" / "crowd.py"
 CLIENT = """
 import json, sys, time
-from nbddp import handshake as HS, protocol as P
+from nbddp.wire import handshake as HS, protocol as P
 host, port, token, reps = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode(), int(sys.argv[4])
 took, failed = [], []
 for i in range(reps):

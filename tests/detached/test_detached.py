@@ -724,7 +724,7 @@ def test_a_takeover_and_a_listing_do_not_wait_on_a_kernel_that_stops_reading(det
 def list_elsewhere() -> list[dict]:
     """listing() from another PID namespace (where no pid of ours means anything)."""
     code = (
-        "import json\nfrom nbddp import detached_client\n"
+        "import json\nfrom nbddp.detached import client as detached_client\n"
         "print(json.dumps(detached_client.listing()))"
     )
     done = subprocess.run(
