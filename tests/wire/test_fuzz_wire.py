@@ -36,7 +36,7 @@ import pytest
 
 from helpers import collect, lone_worker_env, worker_cmd
 from nbddp import Pool
-from nbddp.hosts import relay
+from nbddp.hosts import relay_carry
 from nbddp.notebook import remote
 from nbddp.wire import frames as wire
 from nbddp.wire import handshake as HS
@@ -534,7 +534,7 @@ class Host:
         sock.bind(self.path)
         sock.listen(256)  # (as relay.start)
         self.notebook, up = self.channel_pair()
-        self.relay = relay.Relay(up, sock, self.token)
+        self.relay = relay_carry.Relay(up, sock, self.token)
         self.serving = threading.Thread(target=self.relay.serve, args=(WAIT,))
         self.serving.start()
         self.target = Target(self.path, "AF_UNIX", self.token)
@@ -603,7 +603,7 @@ def host(tmp_path, monkeypatch):
             super().__init__(*a, **kw)
             listeners.append(self)
 
-    monkeypatch.setattr(relay, "Listener", Seen)
+    monkeypatch.setattr(relay_carry, "Listener", Seen)
     h = Host(tmp_path)
     (h.listener,) = listeners
     assert h.listener.name == "relay"
