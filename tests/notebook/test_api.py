@@ -47,8 +47,13 @@ def log_steps(n):
     return n
 
 
-def test_ranch_keeps_what_the_function_logged_for_percent_ddp_metrics(capsys):
+def test_ranch_keeps_what_the_function_logged_for_percent_ddp_metrics(capsys, monkeypatch):
+    import IPython
+
     from nbddp.notebook.session import SESSION
+
+    # outside IPython (a test before this one may have started a shell in this process)
+    monkeypatch.setattr(IPython, "get_ipython", lambda: None)
 
     assert nbddp.ranch(2, log_steps, 7) == [7, 7]
     frame = SESSION.metrics.frame("ranch_metric")

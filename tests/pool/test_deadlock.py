@@ -437,6 +437,26 @@ def test_the_dashboard_row_shows_each_ranks_count_and_names_the_one_behind():
     assert "behind: #1190 of #1208" in board.widget.rows  # the frozen cell keeps it
 
 
+def test_the_first_reply_of_a_sample_makes_no_rank_look_behind():
+    """A sample's replies arrive one by one: rank 3's new count, heard first, must not make
+    ranks 0-2 (still at the count they had for seconds, in DDP's start) look behind before
+    their own replies of the same round come (it printed three false lines in --text)."""
+    from nbddp.dashboard.view import Dashboard
+    from nbddp.wire import protocol as P
+
+    now = [100.0]
+    board = Dashboard([0, 1, 2, 3], world_size=4, clock=lambda: now[0], interval=0)
+    board.handle(P.RankStates((0, 1, 2, 3), "running"))
+    for rank in range(4):
+        board.handle(P.RankWhere(rank, "cell line 4: net = DDP(...)", None, 99.0, 0))
+    now[0] += 5.0
+    board.handle(P.RankWhere(3, "cell line 7: time.sleep(0.04)", None, 104.9, 8))
+    assert "behind" not in board.widget.rows
+    for rank in range(3):
+        board.handle(P.RankWhere(rank, "barrier, cell line 8", "barrier", 104.9, 9))
+    assert "behind" not in board.widget.rows
+
+
 def test_ranks_that_finished_the_cell_are_behind_no_one():
     """A count is a sample taken while the rank ran: once every rank is done, no row
     says "behind" or shows a stale count (it did, in the README's picture)."""

@@ -65,9 +65,13 @@ def mark_behind(views: Views, now: float) -> None:
     BEHIND_AFTER s are behind (a moment's difference is ranks sampled apart)."""
     counts = [v.ops for v in views.values() if v.state == "running" and v.ops >= 0]
     top = max(counts, default=-1)
+    # the others must have been ahead that long too: a sample's replies arrive one by one,
+    # and the first of a new round must not make the ranks not yet heard from look behind
+    top_at = min((v.ops_at for v in views.values() if v.ops == top), default=now)
+    ahead_long = now - top_at >= BEHIND_AFTER
     for v in views.values():
         stuck = v.state == "running" and 0 <= v.ops < top and now - v.ops_at >= BEHIND_AFTER
-        v.ahead = top if stuck else -1
+        v.ahead = top if stuck and ahead_long else -1
 
 
 def _lines(n: int) -> str:
