@@ -63,15 +63,17 @@ BEHIND_AFTER = 2.0  # a count below the others' and unchanged this long: behind
 def mark_behind(views: Views, now: float) -> None:
     """The running ranks whose collective count has stayed below the others' for
     BEHIND_AFTER s are behind (a moment's difference is ranks sampled apart)."""
-    counts = [v.ops for v in views.values() if v.state == "running" and v.ops >= 0]
-    top = max(counts, default=-1)
+    running = [v for v in views.values() if v.state == "running" and v.ops >= 0]
+    top = max((v.ops for v in running), default=-1)
     # the others must have been ahead that long too: a sample's replies arrive one by one,
     # and the first of a new round must not make the ranks not yet heard from look behind
-    top_at = min((v.ops_at for v in views.values() if v.ops == top), default=now)
+    top_at = min((v.ops_at for v in running if v.ops == top), default=now)
     ahead_long = now - top_at >= BEHIND_AFTER
     for v in views.values():
-        stuck = v.state == "running" and 0 <= v.ops < top and now - v.ops_at >= BEHIND_AFTER
-        v.ahead = top if stuck and ahead_long else -1
+        v.ahead = -1
+    for v in running:
+        if ahead_long and v.ops < top and now - v.ops_at >= BEHIND_AFTER:
+            v.ahead = top
 
 
 def _lines(n: int) -> str:
