@@ -8,7 +8,9 @@ machine and on a GPU machine alike.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 # before any CUDA probe: torch.cuda.is_available() asks NVML instead of initialising the
@@ -28,9 +30,27 @@ from nbddp import Pool
 
 MACHINE = CpuMachine()
 
+# the detached pools' registry (``%ddp list``) of this test process only: pytest-xdist's
+# workers, and test runs side by side, never see (nor clear) each other's pools
+_HOME = tempfile.mkdtemp(prefix="nbddp-tests-home-")
+os.environ["NBDDP_HOME"] = _HOME
 
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(_HOME, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(items) -> None:
+    """cuda tests last; under ``-n 2 --dist loadgroup`` a module's tests run in one worker
+    (its module fixtures, pools among them, start once) unless a test names its own group,
+    and the cuda tests all in one worker after its CPU tests (see cpu_machine.py)."""
     items[:] = cuda_last(items)
+    for item in items:
+        if is_cuda(item):
+            item.add_marker(pytest.mark.xdist_group("cuda"))
+        elif item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -33,7 +33,9 @@ pytestmark = pytest.mark.skipif(
     reason="network namespaces need root, iproute2 and unshare",
 )
 
-NOTEBOOK_IP = "10.213.77.1"
+# a subnet of this test process (two runs side by side: two bridges, never one address twice)
+SUBNET = f"10.213.{os.getpid() % 250}"
+NOTEBOOK_IP = f"{SUBNET}.1"
 NAMES = ("node-a", "node-b", "node-c", "node-d")  # up to three hosts and a replacement
 
 
@@ -53,7 +55,7 @@ def nodes():
         sh("ip", "link", "set", bridge, "up")
         result = []
         for i, name in enumerate(NAMES):
-            ns, veth, ip = f"nb{tag}{name[-1]}", f"nbv{tag}{name[-1]}", f"10.213.77.{2 + i}"
+            ns, veth, ip = f"nb{tag}{name[-1]}", f"nbv{tag}{name[-1]}", f"{SUBNET}.{2 + i}"
             sh("ip", "netns", "add", ns)
             made.append(ns)
             sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)

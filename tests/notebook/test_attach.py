@@ -239,6 +239,17 @@ def test_the_slurm_job_script_runs_torchrun_once_per_node():
         remote.slurm_script("-N 3", 16, "h:1", "t")
 
 
+def wait_connected(port: int, within: float = 120.0) -> None:
+    """Until a connection to our listener on ``port`` is made (polled with a deadline):
+    the worker's, or its host relay's (a process of its own, not the worker's child)."""
+    import psutil
+
+    deadline = time.monotonic() + within
+    while not any(c.raddr and c.raddr.port == port for c in psutil.net_connections("tcp")):
+        assert time.monotonic() < deadline, f"nothing connected to port {port}"
+        time.sleep(0.05)
+
+
 def test_a_wrong_world_size_is_refused(token_file, tmp_path):
     token = token_file.read_bytes().strip()
     pool = Pool(1, listen=("127.0.0.1", 0), token=token, start_timeout=8)
@@ -246,6 +257,8 @@ def test_a_wrong_world_size_is_refused(token_file, tmp_path):
     log = open(tmp_path / "w.log", "wb")  # noqa: SIM115
     proc = start(worker_cmd(address, token_file), log, lone_worker_env(world_size=2))
     try:
+        # the 8 s bound is for the refusal, not the worker's imports (slow on a busy machine)
+        wait_connected(int(address.rsplit(":", 1)[1]))
         with pytest.raises(PoolStartError, match="did not start"):
             pool.start()
         assert any("this pool waits for 1 ranks" in r for r in pool.refused)
