@@ -27,6 +27,7 @@ import pytest
 from cpu_machine import CpuMachine, cuda_last, is_cuda
 from helpers import healthy
 from nbddp import Pool
+from scheduling import ModuleScheduling, in_worker_order
 
 MACHINE = CpuMachine()
 
@@ -40,17 +41,18 @@ def pytest_unconfigure(config) -> None:
     shutil.rmtree(_HOME, ignore_errors=True)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
-def pytest_collection_modifyitems(items) -> None:
-    """cuda tests last; under ``-n 2 --dist loadgroup`` a module's tests run in one worker
-    (its module fixtures, pools among them, start once) unless a test names its own group,
-    and the cuda tests all in one worker after its CPU tests (see cpu_machine.py)."""
+def pytest_collection_modifyitems(config, items) -> None:
+    """cuda tests last; in pytest-xdist's workers, the modules in their order
+    (tests/scheduling.py). A run without workers keeps the files' order."""
+    if hasattr(config, "workerinput"):
+        items[:] = in_worker_order(items)
     items[:] = cuda_last(items)
-    for item in items:
-        if is_cuda(item):
-            item.add_marker(pytest.mark.xdist_group("cuda"))
-        elif item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``-n 2``: a module's tests in one worker, modules in the order given (scheduling.py)."""
+    config.option.loadscopereorder = False
+    return ModuleScheduling(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)
