@@ -27,7 +27,7 @@ import pytest
 from cpu_machine import CpuMachine, cuda_last, is_cuda
 from helpers import healthy
 from nbddp import Pool
-from scheduling import ModuleScheduling, in_worker_order
+from scheduling import in_worker_order, module_scheduling
 
 MACHINE = CpuMachine()
 
@@ -49,10 +49,10 @@ def pytest_collection_modifyitems(config, items) -> None:
     items[:] = cuda_last(items)
 
 
+@pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist's: not called without it)
 def pytest_xdist_make_scheduler(config, log):
     """``-n 2``: a module's tests in one worker, modules in the order given (scheduling.py)."""
-    config.option.loadscopereorder = False
-    return ModuleScheduling(config, log)
+    return module_scheduling(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)

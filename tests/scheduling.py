@@ -7,7 +7,7 @@ The slowest modules start first, so that no worker runs one of them alone at the
 
 pytest-xdist's own ``--dist loadgroup`` would do the grouping by ``xdist_group`` marks,
 but pytest-xdist 3.8 renames the nodeid through an attribute pytest 9.2 no longer reads,
-so every test would be scheduled alone; :class:`ModuleScheduling` reads the module from
+so every test would be scheduled alone; :func:`module_scheduling` reads the module from
 the nodeid instead.
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from xdist.scheduler import LoadScopeScheduling
 
 from cpu_machine import is_cuda
 
@@ -58,8 +57,14 @@ def in_worker_order(items: list) -> list:
     return sorted(items, key=key)
 
 
-class ModuleScheduling(LoadScopeScheduling):
-    """pytest-xdist's scope scheduling, a scope being a module, or all CUDA_MODULES."""
+def module_scheduling(config, log):
+    """pytest-xdist's scope scheduling, a scope being a module, or all CUDA_MODULES
+    (imported here: a machine without pytest-xdist runs the suite in one process)."""
+    from xdist.scheduler import LoadScopeScheduling
 
-    def _split_scope(self, nodeid: str) -> str:
-        return "cuda" if module(nodeid) in CUDA_MODULES else nodeid.split("::", 1)[0]
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "cuda" if module(nodeid) in CUDA_MODULES else nodeid.split("::", 1)[0]
+
+    config.option.loadscopereorder = False  # the workers' order (in_worker_order) holds
+    return ModuleScheduling(config, log)
