@@ -108,6 +108,8 @@ class TextSink:
         elif isinstance(event, P.RankStates):
             for one in event.each():
                 self.handle(one)
+            if event.state == "missing" and not self.quiet:
+                self._say_missing(event.ranks)
         elif isinstance(event, P.RankState):
             self._view(event.rank).state = event.state
             if event.state == "running":
@@ -162,6 +164,18 @@ class TextSink:
         if ahead:
             said += f"; {rank_set(sorted(ahead))} {self._views[ahead[0]].state_text(now)}"
         self._stream("stderr").write(said + "\n")
+
+    def _say_missing(self, ranks: tuple[int, ...]) -> None:
+        """``[nbddp] ranks 2, 3: missing (host node-b lost)``, a line for each lost host,
+        after the lines printed before."""
+        self._take(self._fold.flush())
+        by_host: dict[str, list[int]] = {}
+        for rank in sorted(ranks):
+            by_host.setdefault(self.hosts.get(rank, ""), []).append(rank)
+        for host, on_it in by_host.items():
+            view = self._view(on_it[0])
+            view.host = host
+            self._stream("stderr").write(f"[nbddp] {rank_set(on_it)}: {view.state_text(0)}\n")
 
     def _say_bar(self, line: str | None) -> None:
         """The folded bar of ``nbddp.progress``, after the lines printed before it."""

@@ -179,6 +179,8 @@ class Dashboard:
             view.ended, view.waiting = now, None
         self._take(self._fold.state(event))
         view.state = event.state
+        if event.state == "missing":
+            view.host = self.hosts.get(rank, "")
         if event.state in FAILED_STATES and self.widget.focus < 0:  # the first failure opens
             self.widget.focus = rank
 
