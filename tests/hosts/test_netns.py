@@ -476,3 +476,34 @@ def test_a_lost_host_that_held_torchruns_store_stops_the_pool_and_says_why(nodes
         said = refusal(pool, time.monotonic() + 60)
         assert "host node-a (ranks 0, 1) was lost with torchrun's store" in said, said
         assert "start torchrun again and attach again" in said, said
+
+
+@pytest.mark.timeout(300)
+def test_a_host_of_one_rank_is_replaced_on_it_and_when_lost_waits_and_rejoins(nodes, tmp_path):
+    """2 hosts x 1 rank: the rank alone on node-b SIGKILLed is replaced there (its relay waits
+    for its holder's new process); then node-b lost whole (rank, holder, relay, torchrun) is
+    named and missing at once, not a 60 s wait that stopped the pool (before: a host of one
+    rank had no relay, so its loss looked like its rank's death), and a replacement host
+    brings it back while rank 0 keeps its namespace."""
+    with attached_pool(nodes[:2], tmp_path) as (pool, procs):
+        assert len(pool.hub.relays) == 2, "a held rank alone on its host has a relay too"
+        pool.execute("w = torch.full((1000,), float(rank))")
+        holders, before = pool.execute(HOLDERS), namespace_digests(pool)
+        os.kill(pool.roster[1].pid, signal.SIGKILL)
+        _, _, end = collect(pool.run("1"))
+        said = " ".join(end.notes)
+        assert "rank 1: a new process took its place" in said, said
+        assert pool.execute(HOLDERS) == holders, "on node-b, under the same holder"
+        kill_host(nodes[1][0])
+        procs[1].wait(30)
+        t0 = time.monotonic()
+        rows = missing_rows(pool, t0 + 30)
+        assert [(s.rank, s.host) for s in rows] == [(1, "node-b")], rows
+        with pytest.raises(HostsMissing, match=r"rank 1 of host node-b is missing"):
+            pool.execute("w = None")
+        assert time.monotonic() - t0 < 30, "at once, not after the re-form's 60 s"
+        procs.launch(nodes[2], 1)
+        wait_rejoined(pool, 180, "the replacement host's rank never came")
+        assert pool.execute(HOLDERS)[1][0] == nodes[2][1]
+        assert namespace_digests(pool)[0] == before[0], "rank 0 kept its namespace"
+        assert pool.execute(REDUCE) == [3.0, 3.0]
