@@ -18,7 +18,10 @@ from collections.abc import Iterator
 
 import pytest
 
-NOTEBOOK_IP = "10.213.77.1"
+# a subnet of this process's own: two test processes at once (pytest-xdist, two
+# checkouts) make bridges that never share addresses
+SUBNET = f"10.{200 + os.getpid() % 50}.{os.getpid() // 50 % 250}"
+NOTEBOOK_IP = f"{SUBNET}.1"
 NAMES = ("node-a", "node-b", "node-c", "node-d")  # up to three hosts and a replacement
 _made = itertools.count()
 
@@ -50,7 +53,7 @@ def make_nodes() -> Iterator[list[tuple[str, str, str]]]:
         sh("ip", "link", "set", bridge, "up")
         result = []
         for i, name in enumerate(NAMES):
-            ns, veth, ip = f"nb{tag}{name[-1]}", f"nbv{tag}{name[-1]}", f"10.213.77.{2 + i}"
+            ns, veth, ip = f"nb{tag}{name[-1]}", f"nbv{tag}{name[-1]}", f"{SUBNET}.{2 + i}"
             sh("ip", "netns", "add", ns)
             made.append(ns)
             sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)

@@ -19,8 +19,10 @@ from unittest import mock
 
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
+from test_detached_kernel import BUILD, digest, notebook_value
+from test_kernel import execute, kernels, restarted  # noqa: F401
 
-from helpers import collect, free_port, namespace_digests, wait_rejoined
+from helpers import collect, detached_family, free_port, namespace_digests, wait_rejoined
 from nbddp import Pool
 from nbddp.notebook import remote
 from nbddp.pool.hosts_lost import HostsMissing
@@ -154,6 +156,8 @@ def slurm(netns_nodes, tmp_path_factory):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for node in nodes:  # what a step left (slurmstepd, torchrun, ranks): nothing stays
+            kill_host(node[0])
         log.close()
 
 
@@ -190,6 +194,55 @@ def test_attach_submits_a_real_slurm_job_and_uses_its_ranks(slurm, tmp_path, mon
     finally:
         shell.run_cell("%unload_ext nbddp")
     assert remote.read_or_create_token(str(token_file))  # made for the job, 0600
+
+
+# ------------------------------------ a detached pool of a SLURM job, across a kernel restart
+
+
+@pytest.mark.kernel
+@pytest.mark.timeout(420)
+def test_a_detached_pool_of_a_slurm_job_outlives_a_kernel_restart(
+    slurm,
+    kernels,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """``%ddp attach --slurm ... --detached NAME`` (2 nodes x 2 ranks), then the kernel
+    restarts: ``%ddp connect NAME`` from the new kernel finds all 4 ranks on node-a and
+    node-b with their namespaces unchanged; ``%ddp stop NAME`` ends the job."""
+    for key in ("SLURM_CONF",):
+        monkeypatch.setenv(key, slurm[key])
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    monkeypatch.chdir(tmp_path)  # the job's log lands here
+    name, token_file = "slurm1", tmp_path / "token"
+    km, k = kernels()
+    assert execute(k, "%load_ext nbddp").error is None
+    r = execute(
+        k,
+        f"%ddp attach --world-size 4 --listen {NOTEBOOK_IP}:{free_port()} --token-file "
+        f'{token_file} --timeout 240 --slurm "--nodes 2 --nodelist node-a,node-b" '
+        f"--detached {name}",
+        timeout=300,
+    )
+    assert r.error is None, r.text
+    assert "UsageError" not in r.text, r.text
+    assert f"the detached pool {name} outlives this kernel" in r.stdout, r.text
+    job = r.stdout.split("submitted SLURM job ")[1].split()[0]
+    try:
+        with detached_family(name) as family:
+            assert execute(k, BUILD).error is None
+            before = digest(k)
+            k = restarted(km, k)
+            assert execute(k, "%load_ext nbddp").error is None
+            r = execute(k, f"%ddp connect {name}")
+            assert f"connected to the detached pool {name} (4 ranks)" in r.stdout, r.text
+            assert digest(k) == before
+            where = notebook_value(k, "__import__('socket').gethostname()", "hosts_")
+            assert where == ["node-a", "node-a", "node-b", "node-b"]
+            family.stopped_by(lambda: execute(k, f"%ddp stop {name}"))
+            assert ended(slurm, [job], 60) == [], "the job did not end after %ddp stop"
+    finally:
+        subprocess.run(["scancel", job], env=slurm, capture_output=True)
 
 
 # ------------------------------------ two SLURM nodes of two ranks: a death, a lost node
