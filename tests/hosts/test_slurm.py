@@ -1,4 +1,11 @@
-"""A real SLURM job: munge, slurmctld and slurmd on loopback, started by this test.
+"""A real SLURM cluster, started by this test: munged and slurmctld here, and three
+nodes, node-a to node-c, each a slurmd in a network namespace of its own (tests/netns.py),
+with its hostname and an /etc/hosts that names the nodes.
+
+Jobs of the script ``%ddp attach --slurm`` submits (torchrun's static rendezvous,
+--no-kill): a detached pool across a kernel restart; a rank SIGKILLed, replaced on its
+node; a node lost (every process of its namespace, its slurmd too) and its ranks brought
+back by the same script submitted again for node-c.
 
 Skipped where Debian's slurm-wlm is not installed or the test is not root
 (.ci/run installs it, as root). Where it is installed, a cluster that does not
@@ -18,7 +25,6 @@ import time
 from unittest import mock
 
 import pytest
-from IPython.core.interactiveshell import InteractiveShell
 from test_detached_kernel import BUILD, digest, notebook_value
 from test_kernel import execute, kernels, restarted  # noqa: F401
 
@@ -161,42 +167,12 @@ def slurm(netns_nodes, tmp_path_factory):
         log.close()
 
 
-@pytest.mark.timeout(240)
-def test_attach_submits_a_real_slurm_job_and_uses_its_ranks(slurm, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
-    monkeypatch.chdir(tmp_path)  # the job's log lands here
-    token_file = tmp_path / "token"
-    shell = InteractiveShell.instance()
-    shell.run_cell("%load_ext nbddp")
-    try:
-        result = shell.run_cell(
-            f"%ddp attach --world-size 2 --token-file {token_file} --timeout 120 "
-            f"--listen {NOTEBOOK_IP}:0 "
-            '--slurm "--nodes 1"'
-        )
-        out = capsys.readouterr().out
-        assert result.success, out
-        assert "submitted SLURM job" in out
-        assert "attached 2 ranks" in out
-        job = out.split("submitted SLURM job ")[1].split()[0]
-        assert shell.run_cell(
-            "%%ddp --quiet --out _slurm\nimport os, torch.distributed as dist\n"
-            "t = torch.ones(1)\ndist.all_reduce(t)\n(t.item(), os.environ['SLURM_JOB_ID'])"
-        ).success
-        assert shell.user_ns["_slurm"] == [(2.0, job), (2.0, job)]
-        shell.run_cell("%ddp stop")
-        deadline = time.monotonic() + 60
-        while subprocess.run(
-            ["squeue", "-h", "-j", job], env=slurm, capture_output=True, text=True
-        ).stdout.strip():
-            assert time.monotonic() < deadline, "the job did not end after %ddp stop"
-            time.sleep(0.5)
-    finally:
-        shell.run_cell("%unload_ext nbddp")
-    assert remote.read_or_create_token(str(token_file))  # made for the job, 0600
-
-
 # ------------------------------------ a detached pool of a SLURM job, across a kernel restart
+
+ON_RANKS = (
+    "import os, socket\n_t = torch.ones(1)\ntorch.distributed.all_reduce(_t)\n"
+    "(socket.gethostname(), os.environ['SLURM_JOB_ID'], _t.item())"
+)
 
 
 @pytest.mark.kernel
@@ -207,9 +183,10 @@ def test_a_detached_pool_of_a_slurm_job_outlives_a_kernel_restart(
     tmp_path,
     monkeypatch,
 ):
-    """``%ddp attach --slurm ... --detached NAME`` (2 nodes x 2 ranks), then the kernel
-    restarts: ``%ddp connect NAME`` from the new kernel finds all 4 ranks on node-a and
-    node-b with their namespaces unchanged; ``%ddp stop NAME`` ends the job."""
+    """``%ddp attach --slurm ... --detached NAME`` submits the job script (2 nodes x 2
+    ranks) and makes its token file; then the kernel restarts: ``%ddp connect NAME`` from
+    the new kernel finds all 4 ranks of the job on node-a and node-b, their namespaces
+    unchanged, and they all-reduce; ``%ddp stop NAME`` ends the job."""
     for key in ("SLURM_CONF",):
         monkeypatch.setenv(key, slurm[key])
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
@@ -237,12 +214,13 @@ def test_a_detached_pool_of_a_slurm_job_outlives_a_kernel_restart(
             r = execute(k, f"%ddp connect {name}")
             assert f"connected to the detached pool {name} (4 ranks)" in r.stdout, r.text
             assert digest(k) == before
-            where = notebook_value(k, "__import__('socket').gethostname()", "hosts_")
-            assert where == ["node-a", "node-a", "node-b", "node-b"]
+            where = notebook_value(k, ON_RANKS, "where_")
+            assert where == [(h, job, 4.0) for h in ("node-a", "node-a", "node-b", "node-b")]
             family.stopped_by(lambda: execute(k, f"%ddp stop {name}"))
             assert ended(slurm, [job], 60) == [], "the job did not end after %ddp stop"
     finally:
         subprocess.run(["scancel", job], env=slurm, capture_output=True)
+    assert remote.read_or_create_token(str(token_file))  # made for the job, 0600
 
 
 # ------------------------------------ two SLURM nodes of two ranks: a death, a lost node
@@ -314,6 +292,7 @@ def test_a_dead_rank_in_a_slurm_job_is_replaced_on_its_node(slurm_pool):
     os.kill(pool.roster[3].pid, signal.SIGKILL)  # (node-b's pid: only the network is its own)
     _, _, end = collect(pool.run("rank"))
     said = " ".join(end.notes)
+    print(next((n for n in end.notes if "re-formed" in n), said))
     assert "rank 3: a new process took its place" in said, said
     assert "every other rank kept its namespace" in said, said
     assert pool.execute(HOLDERS) == holders  # on node-b, under the same holder

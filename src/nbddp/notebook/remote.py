@@ -67,12 +67,6 @@ def slurm_script(
     if world_size % nodes:
         raise ValueError(f"a world size of {world_size} does not split over {nodes} nodes")
     options = shlex.split(sbatch_options)
-    torchrun = (
-        f"{shlex.quote(python)} -m torch.distributed.run --nnodes {nodes} "
-        f"--nproc-per-node {world_size // nodes} "
-        '--master-addr "$NBDDP_MASTER_ADDR" --master-port 29400 '
-        + worker_command(connect, shlex.quote(token_file))
-    )
     lines = [
         "#!/bin/bash",
         "#SBATCH --job-name=nbddp",
@@ -85,11 +79,23 @@ def slurm_script(
         'export NBDDP_MASTER_ADDR="${NBDDP_MASTER_ADDR:-$first}"',
         "# torchrun's static rendezvous: each node's --node-rank (PET_NODE_RANK) is its",
         "# $SLURM_NODEID, or NBDDP_NODE_RANK on a replacement for a lost node",
-        "srun --no-kill --kill-on-bad-exit=0 "
-        """bash -c 'PET_NODE_RANK="${NBDDP_NODE_RANK:-$SLURM_NODEID}" exec "$@"' - """
-        + torchrun,
+        _slurm_step(python, nodes, world_size // nodes, connect, token_file),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _slurm_step(python: str, nodes: int, per_node: int, connect: str, token_file: str) -> str:
+    """The job's step: a torchrun on each node, whose node rank is read there. Neither a
+    node that fails nor a torchrun that ends ends the others (--no-kill, -K0)."""
+    import shlex
+
+    torchrun = (
+        f"{shlex.quote(python)} -m torch.distributed.run --nnodes {nodes} "
+        f'--nproc-per-node {per_node} --master-addr "$NBDDP_MASTER_ADDR" --master-port 29400 '
+        + worker_command(connect, shlex.quote(token_file))
+    )
+    each = """'PET_NODE_RANK="${NBDDP_NODE_RANK:-$SLURM_NODEID}" exec "$@"'"""
+    return f"srun --no-kill --kill-on-bad-exit=0 bash -c {each} - {torchrun}"
 
 
 def submit_slurm(script: str) -> str:
