@@ -187,8 +187,7 @@ def test_a_detached_pool_of_a_slurm_job_outlives_a_kernel_restart(
     ranks) and makes its token file; then the kernel restarts: ``%ddp connect NAME`` from
     the new kernel finds all 4 ranks of the job on node-a and node-b, their namespaces
     unchanged, and they all-reduce; ``%ddp stop NAME`` ends the job."""
-    for key in ("SLURM_CONF",):
-        monkeypatch.setenv(key, slurm[key])
+    monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])  # (the kernel's, so the job's)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
     monkeypatch.chdir(tmp_path)  # the job's log lands here
     name, token_file = "slurm1", tmp_path / "token"
