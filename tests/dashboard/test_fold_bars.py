@@ -5,7 +5,9 @@ description is a bar of its own."""
 
 from __future__ import annotations
 
+import io
 import random
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -13,9 +15,18 @@ from hypothesis import strategies as st
 
 from nbddp.dashboard.fold import Folder
 from nbddp.dashboard.fold_bars import BAR_GRACE, BAR_HOLD
+from nbddp.dashboard.sinks import TextSink
 from nbddp.wire import protocol as P
 
 SIZES = [2, 3, 4, 8]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
 
 
 def frame(n: int, total: int = 20, desc: str = "eval", end: str = "") -> str:
@@ -174,3 +185,42 @@ def test_each_occurrence_of_a_description_is_a_bar_of_its_own():
     for rank in range(2):
         f.output(P.Output(rank, "stderr", frame(5, desc="train")))
     assert len({g.tag for g in f.bars()}) == 2
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_text_says_running_tqdm_bars_folded_at_nbddp_progress_pace_and_the_end_once(n):
+    """--text: a tqdm bar every rank runs (the last rank slowest, 2 s) is said while it
+    runs, folded, as nbddp.progress is: when the slowest rank's whole percent moved and
+    a second passed (the first a second after it began), never at 100%; then the
+    finished bar once. --no-fold: each rank's own."""
+    for fold in (True, False):
+        clock, err = Clock(), io.StringIO()
+        sink = TextSink(stdout=io.StringIO(), stderr=err, clock=clock, fold=fold)
+        for rank in range(n):
+            sink.handle(P.RankState(rank, "running"))
+        at = dict.fromkeys(range(n), -1)
+        for step in range(201):  # 2 s for the last rank, 1 s for rank 0
+            clock.t = step / 100
+            for rank in range(n):
+                done = min(100, round(step / (1 + rank / (n - 1))))
+                if done > at[rank]:
+                    at[rank] = done
+                    end = "\n" if done == 100 and rank < n - 1 else ""
+                    sink.handle(P.Output(rank, "stderr", frame(done, 100, end=end)))
+        clock.t = 3.5  # the slowest rank's bar at 100%, its newline not read yet: no line
+        sink.handle(P.Output(0, "stderr", ""))
+        sink.handle(P.Output(n - 1, "stderr", "\n"))
+        sink.close(P.CellEnd(1, tuple(range(n))))
+        said = err.getvalue().splitlines()
+        if not fold:
+            assert all(re.match(r"\[rank \d+\] eval: ", line) for line in said), said
+            assert {line.split("]")[0] for line in said} == {f"[rank {r}" for r in range(n)}
+            continue
+        *live, last = said
+        assert last == f"[ranks 0-{n - 1}] eval: 100%|##########| 100/100 [00:01<00:01, 9.8it/s]"
+        assert len(live) == 1, said  # at 1 s (at 2 s the slowest is at its end)
+        assert re.fullmatch(
+            rf"\[ranks 0-{n - 1}\] eval:  50%\|#####     \| 50/100 .*"
+            rf"\(slowest: rank {n - 1}; the others up to 100\)",
+            live[0],
+        ), said
