@@ -184,7 +184,10 @@ def test_each_occurrence_of_a_description_is_a_bar_of_its_own():
     f = Folder(range(2), window=0)
     for rank in range(2):
         f.output(P.Output(rank, "stderr", frame(5, desc="train")))
-    assert len({g.tag for g in f.bars()}) == 2
+    tags = {g.tag for g in f.bars()}
+    assert len(tags) == 2
+    f.output(P.Output(0, "stderr", frame(20, desc="train", end="\n") + frame(1, desc="train")))
+    assert len(tags | {g.tag for g in f.bars()}) == 3  # rank 0's second bar: its own
 
 
 @pytest.mark.parametrize("n", [2, 3, 8])

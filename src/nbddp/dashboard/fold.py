@@ -145,6 +145,8 @@ class Folder:
     def feed_lines(self, rank: int, stream: str, lines: list[str], now: float) -> list[Group]:
         """Whole lines from ``rank``, in order (what one read brought); the groups ready."""
         if self.window <= 0:
+            for line in lines:
+                self._bars.ended_line(rank, stream, line)
             return [Group(-1, line, stream, line, now, [rank]) for line in lines]
         if not lines:
             return []

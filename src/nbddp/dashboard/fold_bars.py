@@ -47,11 +47,22 @@ class Bars:
         """The occurrence of ``key`` the rank runs (or runs next): the bars it ended."""
         return self._done.get((rank, stream, key), 0)
 
+    def _count(self, rank: int, stream: str, key: str) -> int:
+        """The rank ended a bar of ``key``: its occurrence (the bars of ``key`` ended before)."""
+        n = self._done.get((rank, stream, key), 0)
+        self._done[(rank, stream, key)] = n + 1
+        return n
+
+    def ended_line(self, rank: int, stream: str, line: str) -> None:
+        """A whole line that nothing folds (``--no-fold``): if a bar, count it."""
+        bar = shape(line) if "%|" in line else None
+        if bar is not None and bar[1] is None:
+            self._count(rank, stream, bar[0])
+
     def ended(self, rank: int, stream: str, group: Group, prev: Group | None) -> None:
         """The rank's bar ended as a line of ``group`` (opened by it, or joined), printed
         after ``prev``: count the occurrence, and note where the rank began it."""
-        n = self._done.get((rank, stream, group.key), 0)
-        self._done[(rank, stream, group.key)] = n + 1
+        n = self._count(rank, stream, group.key)
         if group.before is None:
             group.before, group.nth = set(), n
         group.before.add(-1 if prev is None else prev.seq)
