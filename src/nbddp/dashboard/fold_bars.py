@@ -4,7 +4,7 @@ another bar than its first), the running bars drawn as one per occurrence, and h
 finished bar waits for the other ranks' same bar, so it comes out as one line.
 
 A finished bar waits (BAR_HOLD s at most from its first rank's end) while a running rank
-that has not finished this occurrence is expected to:
+that has not ended this occurrence is expected to end it, that is while:
 
 - it runs the same bar now (its unfinished line is a bar of this description);
 - it ran this bar before in the cell (an earlier occurrence): a bar every rank ran
@@ -14,7 +14,9 @@ that has not finished this occurrence is expected to:
   less than BAR_GRACE s ago: its bar's first frame may just not have been read yet.
 
 A bar on some ranks only (``if rank == 0: tqdm(...)``) thus waits at most BAR_GRACE s
-after the other ranks' last line (not at all once they print on), never BAR_HOLD.
+after the other ranks' last line (not at all once they print on), never BAR_HOLD; only a
+bar that a rank ran before in the cell and skips this time waits BAR_HOLD for it.
+The rule reads only the lines and the clock: the same reads give the same lines out.
 """
 
 from __future__ import annotations
