@@ -5,15 +5,14 @@ Both namespaces share this filesystem, so a folder under tmp_path plays the NFS 
 that ``nbddp.Workspace``, ``gather_objects(workspace=...)`` and ``Pool(workspace=...)``
 are for.
 
-Needs root and iproute2; skipped with the reason where namespaces cannot be made.
-Every address used lives in the namespaces and the bridge this test makes.
+Needs root and iproute2; skipped with the reason where namespaces cannot be made
+(tests/netns.py makes them).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,53 +26,16 @@ from nbddp import CellFailed, Pool, PoolClosedError
 from nbddp.notebook import remote, reports
 from nbddp.pool.hosts_lost import HostsMissing
 from nbddp.wire.tls import make_server_tls
+from netns import NOTEBOOK_IP, kill_host, make_nodes, needs_netns, on_node
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None,
-    reason="network namespaces need root, iproute2 and unshare",
-)
-
-NOTEBOOK_IP = "10.213.77.1"
-NAMES = ("node-a", "node-b", "node-c", "node-d")  # up to three hosts and a replacement
-
-
-def sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+pytestmark = needs_netns
 
 
 @pytest.fixture(scope="module")
 def nodes():
     """[(namespace, hostname, ip)] of node-a to node-d, on a bridge to NOTEBOOK_IP."""
-    tag = str(os.getpid() % 100000)
-    bridge = f"nbbr{tag}"
-    made: list[str] = []
-    try:
-        sh("ip", "link", "add", bridge, "type", "bridge")
-        sh("ip", "addr", "add", f"{NOTEBOOK_IP}/24", "dev", bridge)
-        sh("ip", "link", "set", bridge, "up")
-        result = []
-        for i, name in enumerate(NAMES):
-            ns, veth, ip = f"nb{tag}{name[-1]}", f"nbv{tag}{name[-1]}", f"10.213.77.{2 + i}"
-            sh("ip", "netns", "add", ns)
-            made.append(ns)
-            sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            sh("ip", "link", "set", veth, "master", bridge)
-            sh("ip", "link", "set", veth, "up")
-            sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ip}/24", "dev", "eth0")
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-            result.append((ns, name, ip))
-    except (subprocess.CalledProcessError, OSError) as exc:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
-        pytest.skip(f"cannot make network namespaces here: {getattr(exc, 'stderr', exc)}")
-    try:
-        yield result
-    finally:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+    with make_nodes() as made:
+        yield made
 
 
 class Torchruns(list):
@@ -90,22 +52,11 @@ class Torchruns(list):
         )
 
     def launch(self, node, node_rank: int) -> subprocess.Popen:
-        ns, hostname, _ = node
         torchrun = self.command.replace(" -m nbddp", f" --node-rank {node_rank} -m nbddp")
-        self.logs.append(open(self.folder / f"{hostname}.log", "ab"))  # noqa: SIM115
+        self.logs.append(open(self.folder / f"{node[1]}.log", "ab"))  # noqa: SIM115
         self.append(
             subprocess.Popen(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    "unshare",
-                    "-u",
-                    "sh",
-                    "-c",
-                    f"hostname {hostname} && exec {torchrun}",
-                ],
+                on_node(node, torchrun),
                 env=dict(os.environ, GLOO_SOCKET_IFNAME="eth0"),  # PYTHONPATH too
                 stdout=self.logs[-1],
                 stderr=subprocess.STDOUT,
@@ -377,14 +328,6 @@ def test_a_killed_rank_is_replaced_on_its_host_and_every_other_rank_keeps_its_st
 
 
 # ---------------------------------------------- a whole host lost, and a replacement host
-
-
-def kill_host(ns: str) -> None:
-    """SIGKILL every process of a namespace: torchrun, its holders, ranks and relay."""
-    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=True)
-    for pid in map(int, out.stdout.split()):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 def missing_rows(pool, deadline: float) -> list:
