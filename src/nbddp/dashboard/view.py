@@ -218,8 +218,10 @@ class Dashboard:
                     for g in itertools.islice(self.log, start, None)
                 ]
                 w.hidden = self.dropped + start
-            w.bars = [  # the bars running now, one per description (sent when they change)
-                [rank_set(g.ranks), "progress", g.text, g.detail] for g in self._fold.bars()
+            w.bars = [  # the bars running now, one per description and occurrence (sent
+                # when they change), each with its identity: its own toggle in the page
+                [rank_set(g.ranks), "progress", g.text, g.detail, g.tag]
+                for g in self._fold.bars()
             ]
             if self.metrics.dirty and (force or now - self._charts_drawn >= self.CHART_INTERVAL):
                 self._charts_drawn, self.metrics.dirty = now, False
