@@ -170,10 +170,16 @@ def test_a_breakpoint_in_a_rank_asks_in_the_cells_input_box(lab, page):
         box.press("Enter")
         expect(cell.locator(".jp-InputArea-prompt")).not_to_contain_text("[*]", timeout=60_000)
         expect(cell.locator(".nbddp-row.nbddp-done")).to_have_count(3)
-        # two lines asked and answered, no third prompt (JupyterLab 4.6 shows an answered
-        # line as text, earlier versions as a spent input box: count the prompts' text)
+        # two lines asked and answered, no third prompt. JupyterLab shows an answered line
+        # as a spent input box, 4.6 also (or instead) as the prompt and answer in text: each
+        # way must count two.
         answered = outputs.inner_text()
-        assert answered.count("(Pdb rank 1)") == 2, answered
+        lines = [line for line in answered.splitlines() if line.startswith("(Pdb rank 1)")]
+        as_text = [line.split(")", 1)[1].strip() for line in lines]
+        as_text = [a for a in as_text if a]
+        boxes = cell.locator(".jp-Stdin-prompt").count()
+        assert as_text in ([], ["p x", "c"]), answered
+        assert max(len(as_text), boxes) == 2, (boxes, answered)
 
 
 # rank 2 of 4 kills itself while the others wait for it in all_reduce; the cell after it

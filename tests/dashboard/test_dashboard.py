@@ -457,7 +457,7 @@ def test_running_tqdm_bars_show_once_in_the_log_and_each_row_its_position(n):
         d.handle(P.Output(rank, "stderr", bar.format(done * 10, "#" * done, done)))
     clock.t = 1.0
     d._render(force=True)
-    ((ranks, stream, text, values),) = d.widget.bars
+    ((ranks, stream, text, values, _),) = d.widget.bars
     assert (ranks, stream) == (f"0-{n - 1}", "progress")
     assert text == bar.format(40, "####", 4)[1:] + "  (slowest: rank 0; the others up to 9)"
     assert values.splitlines()[:2] == ["rank 0: 4/10", "rank 1: 9/10"]

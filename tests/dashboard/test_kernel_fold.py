@@ -123,7 +123,7 @@ def test_tqdm_bars_of_ranks_at_different_speeds_are_one_bar_live_and_frozen_and_
     bars = [state["bars"] for state in reply.states if state.get("bars")]
     assert bars, "no live bar was drawn"
     assert all(len(b) == 1 for b in bars), bars  # one bar, not one per rank
-    ranks, stream, text, values = bars[-1][0]
+    ranks, stream, text, values, _ = bars[-1][0]
     assert (ranks, stream) == ("0-3", "progress")
     assert re.search(r"^train: +\d+%\|.*\(slowest: rank 3; the others up to 1[12]\)$", text)
     assert values.splitlines()[3].startswith("rank 3: ")  # each rank's position, pointed at

@@ -10,9 +10,12 @@ and ranks started for them again (a replacement host) are taken back at full siz
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import re
 import secrets
 import signal
+import threading
 import time
 
 import pytest
@@ -20,8 +23,12 @@ import pytest
 import simranks
 from helpers import collect, wait_rejoined
 from nbddp import CellFailed, Pool, PoolClosedError
+from nbddp.dashboard.sinks import TextSink
+from nbddp.dashboard.view import Dashboard
 from nbddp.notebook import reports
+from nbddp.notebook.session import SESSION
 from nbddp.pool.hosts_lost import HostsMissing
+from nbddp.wire import protocol as P
 
 SHOW_X = "print(rank, globals().get('x'))"
 
@@ -113,3 +120,102 @@ def test_a_lost_host_that_held_the_store_stops_the_pool_and_says_why():
         said = str(caught.value)
         assert "host sim0 (ranks 0-3) was lost with torchrun's store" in said, said
         assert "start torchrun again and attach again" in said, said
+
+
+# ---------------------------------------------- what the user meets while ranks are missing
+
+
+@pytest.fixture(scope="module")
+def shell():
+    """An IPython shell with the magics, its session pointed at the test's pool."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    sh.run_cell("%load_ext nbddp")
+    yield sh
+    SESSION.pool = None  # (the test's pool is stopped by its own context)
+    sh.run_cell("%unload_ext nbddp")
+
+
+def magic(shell, capsys, line: str) -> tuple[str, str]:
+    """Run a line in ``shell``: (what it printed, its error's one line or '')."""
+    capsys.readouterr()
+    result = shell.run_cell(line)
+    printed = capsys.readouterr()
+    error = result.error_in_exec or result.error_before_exec
+    return printed.out + printed.err, "" if error is None else str(error)
+
+
+def sunk(events, pool) -> tuple[Dashboard, str]:
+    """A cell's events through a dashboard (not shown) and a --text sink: (the dashboard,
+    what the text sink wrote)."""
+    out, err = io.StringIO(), io.StringIO()
+    board = Dashboard(list(range(pool.world_size)), world_size=pool.world_size, hosts=pool.hosts)
+    text = TextSink(stdout=out, stderr=err, hosts=pool.hosts)
+    end = None
+    for event in events:
+        board.handle(event)
+        text.handle(event)
+        end = event if isinstance(event, P.CellEnd) else end
+    board.close(end)
+    text.close(end)
+    return board, out.getvalue() + err.getvalue()
+
+
+MISSING = r"ranks 2, 3 of host sim1 are missing: the host was lost; nothing ran"
+
+
+@pytest.mark.timeout(120)
+def test_while_a_hosts_ranks_are_missing_each_command_says_so_or_works_on_the_others(
+    shell, capsys, tmp_path
+):
+    """A host lost in a cell: the dashboard's rows, its frozen output and the --text sink
+    show its ranks ``missing (host sim1 lost)``; then every %ddp command that needs the
+    pool either works on the present ranks (status, stacks) or refuses in one line naming
+    the missing ranks and host, with nothing run or lost (never `no pool is running`, and
+    never a start that waits for ranks that cannot come); a replacement brings them back,
+    and the others kept their values (simulated ranks: no value comes back, so no copy)."""
+    with sim_hosts(2, 2) as (pool, sims, start):
+        SESSION.pool = pool
+        pool.execute("x = rank * 10")
+        events = pool.run("import time\ntime.sleep(2)")
+        threading.Timer(0.3, lose_host, (pool, sims[1], 2)).start()
+        board, text = sunk(events, pool)
+        for rank in (2, 3):
+            row = re.search(rf"<tr [^>]*data-rank='{rank}'.*?</tr>", board.widget.rows).group(0)
+            assert "missing (host sim1 lost)" in row, row
+        frozen = board.frozen_bundle()
+        assert frozen["text/html"].count("missing (host sim1 lost)") == 2, frozen["text/html"]
+        assert "rank 3: missing (host sim1 lost)" in frozen["text/plain"], frozen["text/plain"]
+        assert "[nbddp] ranks 2, 3: missing (host sim1 lost)" in text, text
+        shell.user_ns["x"], t0 = 1, time.monotonic()
+        for line in (
+            "%ddp copy x --from 0 --to 2",
+            "%ddp debug --rank 0",
+            "%ddp push x",
+            "%ddp pull x --rank 0",
+            f"%ddp run {tmp_path / 'script.py'}",
+            "%%ddp\nx = None",
+        ):
+            (tmp_path / "script.py").write_text("x = None\n")
+            _, error = magic(shell, capsys, line)
+            assert re.search(MISSING, error), f"{line}: {error!r}"
+            assert "\n" not in error, error
+        assert time.monotonic() - t0 < 30, "refused at once, not after waiting for the ranks"
+        printed, error = magic(shell, capsys, "%ddp status")
+        assert not error, error
+        assert printed.count(" missing ") == 2, printed
+        assert "ranks 2, 3 of host sim1 are missing" in printed.splitlines()[-1], printed
+        printed, error = magic(shell, capsys, "%ddp stacks")
+        assert not error, error
+        assert "every rank is idle (ranks 0, 1)" in printed, printed
+        assert "ranks 2, 3 of host sim1 are missing" in printed, printed
+        assert SESSION.pool is pool
+        assert [s.state for s in pool.status()][:2] == ["idle"] * 2
+        start(range(2, 4))
+        wait_rejoined(pool, 60, "the replacement's ranks were not taken")
+        printed, error = magic(shell, capsys, "%%ddp --no-fold\nprint(rank, globals().get('x'))")
+        assert not error, error
+        for rank, x in ((0, 0), (1, 10), (2, None), (3, None)):  # the others kept x
+            assert f"{rank} {x}" in printed, printed
+        assert "missing" not in magic(shell, capsys, "%ddp status")[0]

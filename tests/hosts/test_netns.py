@@ -5,15 +5,14 @@ Both namespaces share this filesystem, so a folder under tmp_path plays the NFS 
 that ``nbddp.Workspace``, ``gather_objects(workspace=...)`` and ``Pool(workspace=...)``
 are for.
 
-Needs root and iproute2; skipped with the reason where namespaces cannot be made.
-Every address used lives in the namespaces and the bridge this test makes.
+Needs root and iproute2; skipped with the reason where namespaces cannot be made
+(tests/netns.py makes them).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,55 +26,16 @@ from nbddp import CellFailed, Pool, PoolClosedError
 from nbddp.notebook import remote, reports
 from nbddp.pool.hosts_lost import HostsMissing
 from nbddp.wire.tls import make_server_tls
+from netns import NOTEBOOK_IP, kill_host, make_nodes, needs_netns, on_node
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None,
-    reason="network namespaces need root, iproute2 and unshare",
-)
-
-# a subnet of this test process (two runs side by side: two bridges, never one address twice)
-SUBNET = f"10.213.{os.getpid() % 250}"
-NOTEBOOK_IP = f"{SUBNET}.1"
-NAMES = ("node-a", "node-b", "node-c", "node-d")  # up to three hosts and a replacement
-
-
-def sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+pytestmark = needs_netns
 
 
 @pytest.fixture(scope="module")
 def nodes():
     """[(namespace, hostname, ip)] of node-a to node-d, on a bridge to NOTEBOOK_IP."""
-    tag = str(os.getpid() % 100000)
-    bridge = f"nbbr{tag}"
-    made: list[str] = []
-    try:
-        sh("ip", "link", "add", bridge, "type", "bridge")
-        sh("ip", "addr", "add", f"{NOTEBOOK_IP}/24", "dev", bridge)
-        sh("ip", "link", "set", bridge, "up")
-        result = []
-        for i, name in enumerate(NAMES):
-            ns, veth, ip = f"nb{tag}{name[-1]}", f"nbv{tag}{name[-1]}", f"{SUBNET}.{2 + i}"
-            sh("ip", "netns", "add", ns)
-            made.append(ns)
-            sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            sh("ip", "link", "set", veth, "master", bridge)
-            sh("ip", "link", "set", veth, "up")
-            sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ip}/24", "dev", "eth0")
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-            result.append((ns, name, ip))
-    except (subprocess.CalledProcessError, OSError) as exc:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
-        pytest.skip(f"cannot make network namespaces here: {getattr(exc, 'stderr', exc)}")
-    try:
-        yield result
-    finally:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+    with make_nodes() as made:
+        yield made
 
 
 class Torchruns(list):
@@ -92,22 +52,11 @@ class Torchruns(list):
         )
 
     def launch(self, node, node_rank: int) -> subprocess.Popen:
-        ns, hostname, _ = node
         torchrun = self.command.replace(" -m nbddp", f" --node-rank {node_rank} -m nbddp")
-        self.logs.append(open(self.folder / f"{hostname}.log", "ab"))  # noqa: SIM115
+        self.logs.append(open(self.folder / f"{node[1]}.log", "ab"))  # noqa: SIM115
         self.append(
             subprocess.Popen(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    "unshare",
-                    "-u",
-                    "sh",
-                    "-c",
-                    f"hostname {hostname} && exec {torchrun}",
-                ],
+                on_node(node, torchrun),
                 env=dict(os.environ, GLOO_SOCKET_IFNAME="eth0"),  # PYTHONPATH too
                 stdout=self.logs[-1],
                 stderr=subprocess.STDOUT,
@@ -381,14 +330,6 @@ def test_a_killed_rank_is_replaced_on_its_host_and_every_other_rank_keeps_its_st
 # ---------------------------------------------- a whole host lost, and a replacement host
 
 
-def kill_host(ns: str) -> None:
-    """SIGKILL every process of a namespace: torchrun, its holders, ranks and relay."""
-    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=True)
-    for pid in map(int, out.stdout.split()):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
 def missing_rows(pool, deadline: float) -> list:
     """``%ddp status``'s rows of missing ranks, once the notebook saw a host go."""
     while True:
@@ -478,3 +419,34 @@ def test_a_lost_host_that_held_torchruns_store_stops_the_pool_and_says_why(nodes
         said = refusal(pool, time.monotonic() + 60)
         assert "host node-a (ranks 0, 1) was lost with torchrun's store" in said, said
         assert "start torchrun again and attach again" in said, said
+
+
+@pytest.mark.timeout(300)
+def test_a_host_of_one_rank_is_replaced_on_it_and_when_lost_waits_and_rejoins(nodes, tmp_path):
+    """2 hosts x 1 rank: the rank alone on node-b SIGKILLed is replaced there (its relay waits
+    for its holder's new process); then node-b lost whole (rank, holder, relay, torchrun) is
+    named and missing at once, not a 60 s wait that stopped the pool (before: a host of one
+    rank had no relay, so its loss looked like its rank's death), and a replacement host
+    brings it back while rank 0 keeps its namespace."""
+    with attached_pool(nodes[:2], tmp_path) as (pool, procs):
+        assert len(pool.hub.relays) == 2, "a held rank alone on its host has a relay too"
+        pool.execute("w = torch.full((1000,), float(rank))")
+        holders, before = pool.execute(HOLDERS), namespace_digests(pool)
+        os.kill(pool.roster[1].pid, signal.SIGKILL)
+        _, _, end = collect(pool.run("1"))
+        said = " ".join(end.notes)
+        assert "rank 1: a new process took its place" in said, said
+        assert pool.execute(HOLDERS) == holders, "on node-b, under the same holder"
+        kill_host(nodes[1][0])
+        procs[1].wait(30)
+        t0 = time.monotonic()
+        rows = missing_rows(pool, t0 + 30)
+        assert [(s.rank, s.host) for s in rows] == [(1, "node-b")], rows
+        with pytest.raises(HostsMissing, match=r"rank 1 of host node-b is missing"):
+            pool.execute("w = None")
+        assert time.monotonic() - t0 < 30, "at once, not after the re-form's 60 s"
+        procs.launch(nodes[2], 1)
+        wait_rejoined(pool, 180, "the replacement host's rank never came")
+        assert pool.execute(HOLDERS)[1][0] == nodes[2][1]
+        assert namespace_digests(pool)[0] == before[0], "rank 0 kept its namespace"
+        assert pool.execute(REDUCE) == [3.0, 3.0]

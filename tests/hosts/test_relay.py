@@ -39,12 +39,16 @@ def relay_folders() -> set[str]:
     return {f for f in os.listdir(tempfile.gettempdir()) if f.startswith(prefix)}
 
 
-def test_a_relay_is_wanted_for_several_ranks_on_a_host_over_tcp():
+def test_a_relay_is_wanted_for_several_ranks_or_a_held_one_on_a_host_over_tcp():
     assert relay.wanted(True, {"LOCAL_WORLD_SIZE": "8"})
     assert not relay.wanted(True, {"LOCAL_WORLD_SIZE": "1"})
     assert not relay.wanted(True, {})
     assert not relay.wanted(False, {"LOCAL_WORLD_SIZE": "8"})  # a local pool: no hop
     assert not relay.wanted(True, {"LOCAL_WORLD_SIZE": "8", "NBDDP_RELAY": "0"})
+    alone = {"LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "r"}  # a held rank alone
+    assert relay.wanted(True, alone), "its relay tells its host's loss from its death"
+    assert not relay.wanted(True, {**alone, "NBDDP_HOLD": "0"})
+    assert not relay.wanted(True, {**alone, "NBDDP_RELAY": "0"})
 
 
 def test_the_ranks_of_a_node_share_a_relay_and_other_nodes_and_runs_do_not():

@@ -229,10 +229,19 @@ def test_the_slurm_job_script_runs_torchrun_once_per_node():
     assert lines[0] == "#!/bin/bash"
     assert "#SBATCH --nodes 2 --gpus-per-node 8 --partition gpu" in lines
     assert "#SBATCH --ntasks-per-node=1" in lines
+    assert "#SBATCH --no-kill" in lines  # a failed node does not end the others' ranks
     run = lines[-1]
-    assert run.startswith("srun python3 -m torch.distributed.run --nnodes 2 --nproc-per-node 8 ")
-    assert '--rdzv-backend c10d --rdzv-endpoint "$head:29400"' in run
-    assert run.endswith("-m nbddp.worker --connect nb.example:5555 --token-file '~/.nbddp/token'")
+    assert run.startswith("srun --no-kill --kill-on-bad-exit=0 bash -c ")  # (theirs too)
+    # the static rendezvous: each node's rank, the job's first node the master
+    assert 'PET_NODE_RANK="${NBDDP_NODE_RANK:-$SLURM_NODEID}" exec "$@"' in run
+    assert "--rdzv" not in script
+    assert 'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in lines
+    assert 'export NBDDP_MASTER_ADDR="${NBDDP_MASTER_ADDR:-$first}"' in lines
+    assert run.endswith(
+        "' - python3 -m torch.distributed.run --nnodes 2 --nproc-per-node 8 "
+        '--master-addr "$NBDDP_MASTER_ADDR" --master-port 29400 '
+        "-m nbddp.worker --connect nb.example:5555 --token-file '~/.nbddp/token'"
+    )
     with pytest.raises(ValueError, match="--nodes N"):
         remote.slurm_script("--partition gpu", 16, "h:1", "t")
     with pytest.raises(ValueError, match="does not split over 3 nodes"):

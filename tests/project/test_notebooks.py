@@ -22,9 +22,7 @@ REQUIRES = {
 SHOWS = {
     "06-folded-output.ipynb": [  # folded lines with their values, and folded bars
         r"\[ranks 0-3\] rank \{0-3\} epoch 1 loss \{[\d.]+\.\.[\d.]+, (max|min) rank \d\}",
-        # (--text: under load a fast rank's finished bar can come out on its own: issue 38's
-        # open problem, so any rank set is accepted here)
-        r"\[ranks? [\d,-]+\] eval: 100%\|.*\| 20/20",
+        r"\[ranks 0-3\] eval: 100%\|.*\| 20/20",
         r"\[0-3\] eval: 100%\|.*\| 30/30",
         r"\[ranks 0-3\] epoch 1 finished",
     ],

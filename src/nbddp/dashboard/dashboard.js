@@ -59,10 +59,10 @@ function render({ model, el }) {
     charts.innerHTML = model.get("charts");
   };
   const drawLines = (target, rows, live) => {
-    // rows of [rank set, stream, text, values]: a folded line's values on hover, and
-    // below it once clicked
+    // rows of [rank set, stream, text, values, (a running bar:) its identity]: a folded
+    // line's values on hover, and below it once clicked
     const lines = document.createDocumentFragment();
-    for (const [ranks, stream, text, values] of rows) {
+    for (const [ranks, stream, text, values, tag] of rows) {
       if (shown !== null && !holds(ranks, shown)) continue;
       const line = document.createElement("span");
       line.className = values ? "nbddp-line nbddp-folded" : "nbddp-line";
@@ -72,7 +72,8 @@ function render({ model, el }) {
       lines.append(line);
       if (!values) continue;
       line.title = values; // each rank's numbers, the extremes named first
-      line.dataset.key = live ? "bar" : `${ranks}\n${text}`; // a bar's text changes
+      // a running bar's text changes: its key is the bar's identity (each bar its own)
+      line.dataset.key = live ? `bar\n${tag}` : `${ranks}\n${text}`;
       if (!opened.has(line.dataset.key)) continue;
       const each = document.createElement("span");
       each.className = "nbddp-values";

@@ -23,8 +23,9 @@ a result shows as ``Out:`` lines. Both sinks (the text sink and the dashboard) f
 through it.
 
 tqdm bars fold live too: :meth:`Folder.bars` draws the ranks' unfinished bars of one
-description as one (the slowest rank's, with the spread), and a finished bar waits
-while another rank's same bar still runs, so it comes out as one line.
+description and occurrence as one (the slowest rank's, with the spread), and a finished
+bar waits while another rank is expected to end the same bar, so it comes out as one
+line (:mod:`nbddp.dashboard.fold_bars`: which ranks are expected, and for how long).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import time
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
+from .fold_bars import Bars
 from .fold_group import Group
 from .fold_lines import PARTIAL_MAX, Lines
 from .fold_shape import rank_set, shape
@@ -46,7 +48,6 @@ __all__ = ["PARTIAL_MAX", "Folder", "Group", "Lines", "fold_key", "rank_set"]
 
 _seq = attrgetter("seq")
 SEARCH = 64  # waiting groups a join or a settle looks through, at most (beyond: no)
-BAR_HOLD = 10.0  # seconds a finished bar waits, at most, for the same bar of other ranks
 
 
 def fold_key(line: str) -> str:
@@ -70,12 +71,13 @@ class Folder:
         self.window = window
         self.clock = clock
         self._partial: dict[tuple[int, str], Lines] = {}  # each rank's unfinished lines
-        self._bars: dict[tuple[int, str], str] = {}  # the unfinished lines that are bars: key
+        self._bars = Bars()  # the ranks' tqdm bars
         self._seq = 0
         self._open = 0  # groups waiting
         self._ready: list[tuple[int, int, int, Group]] = []  # heap: groups with none before
         self._by_key: dict[tuple[str, str], list[Group]] = {}
         self._last: dict[int, Group | None] = {}  # running ranks: the group each joined last
+        self._when: dict[int, float] = {}  # when each rank's last line came (or it began)
         # (rank, stream, shape): the seq of the rank's last group of that shape; no group
         # at or before it can take the rank again (it comes before the rank's last line)
         self._floor: dict[tuple[int, str, str], int] = {}
@@ -91,54 +93,16 @@ class Folder:
         if lines is None:
             lines = self._partial[key] = Lines()
         whole = lines.feed(event.text)
-        self._mark_bar(key, lines.current)
+        self._bars.mark(event.rank, event.stream, lines.current)
         return self.feed_lines(event.rank, event.stream, whole, self.clock())
 
-    def _mark_bar(self, key: tuple[int, str], current: str) -> None:
-        """Note whether the rank's unfinished line is a tqdm bar, and which."""
-        bar = shape(current) if "%|" in current else None
-        if bar is not None and bar[1] is None:
-            self._bars[key] = bar[0]
-        else:
-            self._bars.pop(key, None)
-
     def bars(self) -> list[Group]:
-        """The bars running now, one per stream and description: every rank's unfinished
-        bar, with the finished ones still waiting to come out, folded into the slowest
-        rank's bar and the spread (``--no-fold``: each rank's own)."""
-        now, found = self.clock(), {}
-        for (rank, stream), key in sorted(self._bars.items()):
-            slot = (stream, key, rank if self.window <= 0 else -1)
-            if slot not in found:
-                found[slot] = Group(-1, key, stream, "", now)
-            found[slot].ranks.append(rank)
-            found[slot].values.append(self._partial[(rank, stream)].current)
-        for (stream, key, _), group in found.items():
-            running = set(group.ranks)
-            for waiting in self._by_key.get((stream, key), ()):
-                for rank, line in zip(waiting.ranks, waiting.values, strict=True):
-                    if rank not in running:
-                        group.ranks.append(rank)
-                        group.values.append(line)
-        for group in found.values():
-            each = sorted(zip(group.ranks, group.values, strict=True))
-            group.ranks, group.values = [r for r, _ in each], [v for _, v in each]
-            group.text = group.values[0]
-            group.settle_text()
-        return list(found.values())
-
-    def _bar_waits(self, group: Group, now: float) -> bool:
-        """A finished bar waits (BAR_HOLD s at most) while another running rank's bar of the
-        same description still runs: bars of ranks at different speeds fold into one."""
-        if not group.values or not isinstance(group.values[0], str):
-            return False
-        if now - group.born >= BAR_HOLD:
-            return False
-        mine = set(group.ranks)
-        return any(
-            key == group.key and stream == group.stream and rank in self._last
-            and rank not in mine
-            for (rank, stream), key in self._bars.items()
+        """The bars running now, one per stream, description and occurrence: every rank's
+        unfinished bar, with the finished ones still waiting to come out, folded into the
+        slowest rank's bar and the spread (``--no-fold``: each rank's own)."""
+        return self._bars.live(
+            self.current, lambda stream, key: self._by_key.get((stream, key), ()),
+            self.window > 0, self.clock(),
         )  # fmt: skip
 
     def current(self, rank: int, stream: str) -> str:
@@ -168,7 +132,7 @@ class Folder:
         for stream in ("stdout", "stderr"):
             lines = self._partial.get((rank, stream))
             if lines is not None:
-                self._bars.pop((rank, stream), None)
+                self._bars.running.pop((rank, stream), None)
                 out += self.feed_lines(rank, stream, lines.flush(), self.clock())
         return out
 
@@ -181,12 +145,15 @@ class Folder:
     def feed_lines(self, rank: int, stream: str, lines: list[str], now: float) -> list[Group]:
         """Whole lines from ``rank``, in order (what one read brought); the groups ready."""
         if self.window <= 0:
+            for line in lines:
+                self._bars.ended_line(rank, stream, line)
             return [Group(-1, line, stream, line, now, [rank]) for line in lines]
         if not lines:
             return []
         if rank not in self._last:  # a rank outside the cell, or printing after its end
             self.expect(rank)
         prev = self._last[rank]
+        self._when[rank] = now
         for line in lines:
             key, values = shape(line)
             floor = self._floor.get((rank, stream, key), -1)
@@ -203,6 +170,8 @@ class Folder:
             self._floor[(rank, stream, key)] = group.seq
             group.ranks.append(rank)
             group.values.append(line if values is None else values)
+            if values is None:
+                self._bars.ended(rank, stream, group, prev)
             if prev is not None:
                 prev.at -= 1
             group.at += 1
@@ -274,7 +243,9 @@ class Folder:
 
     def expect(self, rank: int) -> None:
         """``rank`` runs from now on: lines wait for it (or the window)."""
-        self._last.setdefault(rank, None)
+        if rank not in self._last:
+            self._last[rank] = None
+            self._when.setdefault(rank, self.clock())
 
     def finish(self, rank: int, now: float | None = None) -> list[Group]:
         """``rank`` prints no more in this cell: its unfinished lines count as lines, and
@@ -295,7 +266,7 @@ class Folder:
             group = self._head()
             if group is None or (now - group.born < self.window and not self._settled(group)):
                 return out
-            if self._bar_waits(group, now):
+            if self._bars.waits(group, self._last, self._when, now):
                 return out
             out.append(self._pop())
 

@@ -14,8 +14,8 @@ class Group:
     numbers (a bar: each one's line); ``text`` is the folded line once it came out."""
 
     __slots__ = (
-        "at", "born", "key", "low", "nexts", "npred", "order", "out", "ranks", "said", "seq",
-        "stream", "text", "values",
+        "at", "before", "born", "key", "low", "nexts", "npred", "nth", "order", "out", "ranks",
+        "said", "seq", "stream", "tag", "text", "values",
     )  # fmt: skip
 
     def __init__(self, seq: int, key: str, stream: str, text: str, born: float, ranks=None) -> None:
@@ -30,6 +30,12 @@ class Group:
         self.low = ranks[0] if ranks else 1 << 62  # its lowest rank
         self.out = False
         self.said: str | None = None  # its detail, once asked (a group out does not change)
+        # a tqdm bar (nbddp.dashboard.fold_bars): its occurrence (the bars of its description
+        # its first rank ended before it), the groups its ranks printed just before it
+        # (seq; -1: none), and while it runs, its identity (a toggle in the dashboard)
+        self.nth = 0
+        self.before: set[int] | None = None
+        self.tag = ""
 
     @property
     def label(self) -> str:

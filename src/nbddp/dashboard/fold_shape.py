@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["bar", "bar_count", "bar_detail", "detail", "is_progress", "rank_set", "render", "shape"]
+__all__ = [
+    "bar", "bar_count", "bar_detail", "bar_percent", "detail", "is_progress", "rank_set",
+    "render", "shape",
+]  # fmt: skip
 
 # tqdm's default layout: "desc: 100%|█████| 10/10 [00:01<00:00,  9.81it/s]"
 _BAR = re.compile(r"^(?P<desc>.*?)\s*\d+%\|.*\|\s*(?P<n>[\d.]+[kMG]?)/(?P<total>\S+)(?:\s.*)?$")
@@ -118,6 +121,15 @@ def bar_count(line: str) -> str | None:
         return f"{m.group('n')}/{m.group('total')}"
     m = _BAR_OPEN.match(line) and _OPEN_COUNT.search(line)
     return m.group(0) if m else None
+
+
+def bar_percent(line: str) -> int | None:
+    """A tqdm bar's whole percent done (None: not a bar, or no total)."""
+    m = _BAR.match(line) if "%|" in line else None
+    if not m:
+        return None
+    total = _count(m.group("total")) if _NUMBER.fullmatch(m.group("total").rstrip("kMG")) else 0
+    return min(100, int(100 * _count(m.group("n")) / total)) if total else None
 
 
 def bar_detail(lines: list[str], ranks: list[int]) -> str:

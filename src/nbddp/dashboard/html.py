@@ -16,7 +16,7 @@ from .progress_fold import slowest_bar, spread
 __all__ = ["FAILED_STATES", "STATE_COLOURS", "RankView"]
 
 STATE_COLOURS = T.STATE_HUES  # each state's hue (shown mixed with the theme's text)
-FAILED_STATES = ("failed", "dead", "replaced")
+FAILED_STATES = ("failed", "dead", "replaced", "missing")
 
 
 class RankView:
@@ -35,6 +35,7 @@ class RankView:
         self.ops = -1  # collectives it issued on the default group (-1: not known)
         self.ops_at = 0.0  # when that count was first seen
         self.ahead = -1  # the others' count, when this rank is behind them
+        self.host = ""  # its host, once that host was lost (its state: missing)
 
     def state_text(self, now: float) -> str:
         """``running``, ``waiting in all_reduce #12 (12 s)`` for a rank blocked in a
@@ -46,6 +47,8 @@ class RankView:
             return f"waiting in {op}{n} ({now - since:.0f} s){behind}"
         if self.state == "replaced":
             return "dead: new process"
+        if self.state == "missing":  # its host was lost: it waits for a replacement host
+            return f"missing (host {self.host} lost)" if self.host else "missing (host lost)"
         if self.state == "done":  # its count was sampled while it ran: it is behind no one
             return "done"
         return f"{self.state}{n and ', collective' + n}{behind}"

@@ -3,16 +3,23 @@ how far the others got. The dashboard draws it (:mod:`nbddp.dashboard.html`); th
 sink says it as a line (:class:`ProgressLines`) when the slowest rank's whole percent
 moved, at most every ``every`` seconds (the first ``every`` seconds after the bar began,
 when every rank has said where it is), and once at the end: a plain-text stream gets a
-few lines a bar, not one per step."""
+few lines a bar, not one per step. tqdm bars (:class:`TqdmLines`) are said by the same
+rule while they run; their end is the finished bar's folded line in the log."""
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from ..wire import protocol as P
-from .fold_shape import rank_set
+from .fold_shape import bar_percent, rank_set
 
-__all__ = ["ProgressLines", "slowest_bar", "spread"]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .fold_group import Group
+
+__all__ = ["ProgressLines", "TqdmLines", "slowest_bar", "spread"]
 
 EVERY = 1.0  # seconds at least between two lines of one bar (text)
 
@@ -86,4 +93,33 @@ class ProgressLines:
             if self._said.get(bar, (0.0, -1))[1] != state:
                 self._said[bar] = (self.clock(), state)
                 out.append(progress_text(progress))
+        return out
+
+
+class TqdmLines:
+    """The text sink's tqdm bars while they run (``bars``: the folded bars running now,
+    :meth:`nbddp.dashboard.fold.Folder.bars`): a bar's line when its slowest rank's whole
+    percent moved and ``every`` seconds passed since its last line (the first: ``every``
+    seconds after the bar was first seen); none at 100%, where the finished bar comes
+    out as a line of the log. A bar with no total: only that line."""
+
+    def __init__(self, every: float = EVERY, clock=time.monotonic) -> None:
+        self.every, self.clock = every, clock
+        self._said: dict[str, tuple[float, int]] = {}  # bar (its tag) -> (when, percent)
+        self._looked = float("-inf")
+
+    def take(self, bars: Callable[[], list[Group]]) -> list[Group]:
+        """The bars to say now; ``bars`` is read at most four times an ``every``."""
+        now = self.clock()
+        if now - self._looked < self.every / 4:
+            return []
+        self._looked, out = now, []
+        for group in bars():
+            shares = [bar_percent(line) for line in group.values]
+            if None in shares or min(shares) >= 100:
+                continue
+            when, said = self._said.setdefault(group.tag, (now, -1))
+            if min(shares) != said and now - when >= self.every:
+                self._said[group.tag] = (now, min(shares))
+                out.append(group)
         return out

@@ -24,7 +24,7 @@ from .charts import summary_line
 from .fold import Folder, Group
 from .html import RankView, mark_behind
 from .metric_store import CellMetrics
-from .progress_fold import ProgressLines
+from .progress_fold import ProgressLines, TqdmLines
 
 __all__ = ["FOLD_WINDOW", "Sink", "TextSink", "columns", "show_rich"]
 
@@ -80,6 +80,7 @@ class TextSink:
         self.hosts = dict(hosts or {})
         self._fold = Folder((), window=window if fold else 0, clock=clock)
         self._bars = ProgressLines(fold, clock=clock)  # nbddp.progress, folded
+        self._tqdm = TqdmLines(clock=clock)  # tqdm bars while they run, folded
         self._head = head
         self._out = stdout
         self._err = stderr
@@ -105,9 +106,13 @@ class TextSink:
     def handle(self, event: object) -> None:
         if isinstance(event, P.Output):
             self._take(self._fold.output(event))
+            if not self.quiet:
+                self._say_tqdm()
         elif isinstance(event, P.RankStates):
             for one in event.each():
                 self.handle(one)
+            if event.state == "missing" and not self.quiet:
+                self._say_missing(event.ranks)
         elif isinstance(event, P.RankState):
             self._view(event.rank).state = event.state
             if event.state == "running":
@@ -163,11 +168,32 @@ class TextSink:
             said += f"; {rank_set(sorted(ahead))} {self._views[ahead[0]].state_text(now)}"
         self._stream("stderr").write(said + "\n")
 
+    def _say_missing(self, ranks: tuple[int, ...]) -> None:
+        """``[nbddp] ranks 2, 3: missing (host node-b lost)``, a line for each lost host,
+        after the lines printed before."""
+        self._take(self._fold.flush())
+        by_host: dict[str, list[int]] = {}
+        for rank in sorted(ranks):
+            by_host.setdefault(self.hosts.get(rank, ""), []).append(rank)
+        for host, on_it in by_host.items():
+            view = self._view(on_it[0])
+            view.host = host
+            self._stream("stderr").write(f"[nbddp] {rank_set(on_it)}: {view.state_text(0)}\n")
+
     def _say_bar(self, line: str | None) -> None:
         """The folded bar of ``nbddp.progress``, after the lines printed before it."""
         if line is not None:
             self._take(self._fold.due())
             self._stream("stdout").write(line + "\n")
+
+    def _say_tqdm(self) -> None:
+        """The tqdm bars running now, folded, at nbddp.progress's pace (TqdmLines), after
+        the lines printed before them; not counted in ``head``: a bar's end is."""
+        bars = self._tqdm.take(self._fold.bars)
+        if bars:
+            self._take(self._fold.due())
+        for group in bars:
+            self._stream(group.stream).write(f"{self._tag(group)} {group.text}\n")
 
     def _say_metrics(self) -> None:
         """One line per metric the cell logged: where it stands now."""

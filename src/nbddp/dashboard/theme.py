@@ -50,6 +50,7 @@ STATE_HUES = {
     "freed": "#d9822b",
     "dead": "#a31515",
     "replaced": "#a31515",  # dead, and a new process took its place
+    "missing": "#a31515",  # dead with its host, which was lost (a replacement host brings it)
     "waiting": "#b8860b",
     "debugging": "#7b1fa2",
 }

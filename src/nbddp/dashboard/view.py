@@ -179,6 +179,8 @@ class Dashboard:
             view.ended, view.waiting = now, None
         self._take(self._fold.state(event))
         view.state = event.state
+        if event.state == "missing":
+            view.host = self.hosts.get(rank, "")
         if event.state in FAILED_STATES and self.widget.focus < 0:  # the first failure opens
             self.widget.focus = rank
 
@@ -216,8 +218,10 @@ class Dashboard:
                     for g in itertools.islice(self.log, start, None)
                 ]
                 w.hidden = self.dropped + start
-            w.bars = [  # the bars running now, one per description (sent when they change)
-                [rank_set(g.ranks), "progress", g.text, g.detail] for g in self._fold.bars()
+            w.bars = [  # the bars running now, one per description and occurrence (sent
+                # when they change), each with its identity: its own toggle in the page
+                [rank_set(g.ranks), "progress", g.text, g.detail, g.tag]
+                for g in self._fold.bars()
             ]
             if self.metrics.dirty and (force or now - self._charts_drawn >= self.CHART_INTERVAL):
                 self._charts_drawn, self.metrics.dirty = now, False

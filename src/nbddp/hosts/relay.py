@@ -33,6 +33,7 @@ from ..wire import handshake
 from ..wire import protocol as P
 from ..wire.private import hold, private_folder, sweep
 from ..wire.tls import Tls
+from . import holder
 from .relay_carry import Relay
 
 __all__ = ["Relay", "socket_path", "start", "wanted"]
@@ -41,9 +42,12 @@ START_TIMEOUT = 120.0  # a relay no rank came to ends after this many seconds
 
 
 def wanted(tcp: bool, env) -> bool:
-    """Ranks that attach over TCP, several on a host, go through a relay (NBDDP_RELAY=0: not)."""
+    """Ranks that attach over TCP, several on a host, go through a relay (NBDDP_RELAY=0: not);
+    so does a held rank alone on its host: its relay's connection is how the notebook tells
+    the host's loss (nbddp.pool.hosts_lost) from the rank's death (its holder forks a new one)."""
     local = env.get("LOCAL_WORLD_SIZE", "1")
-    return tcp and local.isdigit() and int(local) > 1 and env.get("NBDDP_RELAY", "1") != "0"
+    several = local.isdigit() and int(local) > 1
+    return tcp and (several or holder.wanted(tcp, env)) and env.get("NBDDP_RELAY", "1") != "0"
 
 
 def socket_path(address: str, token: bytes, env) -> str:

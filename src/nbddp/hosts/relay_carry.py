@@ -53,6 +53,9 @@ __all__ = ["Relay"]
 # ranks ending together reach the notebook in one frame (the last one is never held)
 LINGER = 0.002
 POLL = 0.0002  # meanwhile, how often to look
+# held ranks that have all gone (a host of one rank whose rank died): their holders fork
+# new ones at once, so the relay waits this long for one before it ends (the re-form's limit)
+RENEW_WAIT = 60.0
 
 
 def _is_done(data: bytes) -> bool:
@@ -92,6 +95,8 @@ class Relay:
         self.items: list[tuple] = []  # the next frame up
         self.dones: dict[bytes, list[int]] = {}  # equal Done messages, the ranks that sent them
         self.seen = 0  # ranks that connected
+        self.held = False  # they have holders: a new process comes for one that died
+        self.empty_since: float | None = None  # when its last rank went (None: one is here)
         self.closing = False
         self.refusal: bytes | None = None  # the notebook turned this host's ranks away
         self.told: set[int] = set()  # ranks told so
@@ -179,8 +184,8 @@ class Relay:
                 self._flush()
                 if self.refusal is not None:
                     self._tell_refused()
-                if self.seen and not self.controls:
-                    break  # every rank has gone
+                if self._every_rank_gone():
+                    break
                 if not self.seen and time.monotonic() > deadline:
                     break
                 if self.dones and self.waiting:  # the host's ranks are ending a cell: let
@@ -195,12 +200,24 @@ class Relay:
                     s.conn.close()
             self.up.close()
 
+    def _every_rank_gone(self) -> bool:
+        """Every rank that came has gone, and none of them is coming back: not held, or
+        no holder's new process came within RENEW_WAIT s (the host's relay stays for it, so
+        that the notebook tells a dead rank from a lost host, nbddp.pool.hosts_lost)."""
+        if not self.seen or self.controls:
+            self.empty_since = None
+            return False
+        if self.empty_since is None:
+            self.empty_since = time.monotonic()
+        return not self.held or time.monotonic() - self.empty_since > RENEW_WAIT
+
     def _take_accepted(self) -> None:
         while not self._accepted.empty():
             conn, hello, data = self._accepted.get()
             if isinstance(hello, P.Hello) and hello.rank not in self.controls:
                 self.controls[hello.rank] = conn
                 self.seen += 1
+                self.held = self.held or hello.held
                 self.selector.register(conn, selectors.EVENT_READ, ("control", hello.rank))
             elif isinstance(hello, P.StreamHello):
                 s = _Stream(conn, hello.stream)

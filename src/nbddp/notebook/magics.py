@@ -45,7 +45,7 @@ from .options import (
     parse_argstring,
 )
 from .prompts import debug_prompt, launcher_hints
-from .session import SESSION, Refused, say
+from .session import SESSION, Refused, running, say
 
 __all__ = [  # (the parsers too: the docs' magics reference is made from them)
     "PARSERS",
@@ -145,9 +145,7 @@ class DDPMagics(PoolCommands, Magics):
     def _copy(self, rest: str) -> None:
         args = parse_argstring(ddp_copy, rest)
         names = capture.split_names(" ".join(args.names))
-        pool = self.pool
-        if pool is None or not pool.started:
-            raise UsageError("no pool is running: there is nothing to copy")
+        pool = self._running("there is nothing to copy")
         if not 0 <= args.src < pool.world_size:
             raise UsageError(f"--from: no rank {args.src} in a pool of {pool.world_size}")
         to = capture.parse_ranks(args.to, pool.world_size) if args.to else None
@@ -292,6 +290,16 @@ class DDPMagics(PoolCommands, Magics):
                 "(--rank R for another)"
             )
 
+    def _running(self, else_: str) -> Pool:
+        """The running pool, made ready (a rank that died replaced, a lost host's ranks
+        taken back); ``no pool is running: {else_}`` without one. While a lost host's
+        ranks are missing, HostsMissing says which, one line: nothing was done or lost."""
+        pool = self.pool
+        if not running(pool):
+            raise UsageError(f"no pool is running: {else_}")
+        pool.ready()
+        return pool
+
     def _teed(self, event: object) -> bool:
         """With ``--tee``, output of the other ranks goes only to the log directory."""
         return self.tee is None or not isinstance(event, P.Output) or event.rank in self.tee
@@ -299,9 +307,7 @@ class DDPMagics(PoolCommands, Magics):
     def _debug(self, rest: str) -> None:
         """pdb where a rank's last failed cell raised, in its live namespace."""
         args = parse_argstring(ddp_debug, rest)
-        pool = self.pool
-        if pool is None or not pool.started:
-            raise UsageError("no pool is running: nothing to debug")
+        pool = self._running("nothing to debug")
         rank = args.rank if args.rank is not None else next(iter(self._failed_ranks), None)
         if rank is None:
             raise UsageError("no cell has failed on a rank: %ddp debug --rank R names one")

@@ -51,6 +51,11 @@ def slurm_script(
     """A job script that runs torchrun once per node and so ``world_size`` workers.
 
     ``sbatch_options`` must name ``--nodes N``; each node runs world_size / N ranks.
+    torchrun's static rendezvous, as :func:`torchrun_command`'s: the node rank is
+    $SLURM_NODEID, the master the first node of the job. ``--no-kill`` (the job's and the
+    step's) keeps the other nodes' ranks when a node fails. The same script, submitted
+    again with NBDDP_NODE_RANK and NBDDP_MASTER_ADDR exported, starts a lost node's ranks
+    on a replacement (docs/multinode.md).
     """
     import re
     import shlex
@@ -61,21 +66,36 @@ def slurm_script(
     nodes = int(m.group(1))
     if world_size % nodes:
         raise ValueError(f"a world size of {world_size} does not split over {nodes} nodes")
-    per_node = world_size // nodes
     options = shlex.split(sbatch_options)
     lines = [
         "#!/bin/bash",
         "#SBATCH --job-name=nbddp",
         f"#SBATCH {' '.join(shlex.quote(o) for o in options)}",
         "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --no-kill",
         "#SBATCH --output=nbddp-%j.log",
         "set -euo pipefail",
-        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"srun {shlex.quote(python)} -m torch.distributed.run --nnodes {nodes} "
-        f'--nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint "$head:29400" '
-        '--rdzv-id "$SLURM_JOB_ID" ' + worker_command(connect, shlex.quote(token_file)),
+        'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'export NBDDP_MASTER_ADDR="${NBDDP_MASTER_ADDR:-$first}"',
+        "# torchrun's static rendezvous: each node's --node-rank (PET_NODE_RANK) is its",
+        "# $SLURM_NODEID, or NBDDP_NODE_RANK on a replacement for a lost node",
+        _slurm_step(python, nodes, world_size // nodes, connect, token_file),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _slurm_step(python: str, nodes: int, per_node: int, connect: str, token_file: str) -> str:
+    """The job's step: a torchrun on each node, whose node rank is read there. Neither a
+    node that fails nor a torchrun that ends ends the others (--no-kill, -K0)."""
+    import shlex
+
+    torchrun = (
+        f"{shlex.quote(python)} -m torch.distributed.run --nnodes {nodes} "
+        f'--nproc-per-node {per_node} --master-addr "$NBDDP_MASTER_ADDR" --master-port 29400 '
+        + worker_command(connect, shlex.quote(token_file))
+    )
+    each = """'PET_NODE_RANK="${NBDDP_NODE_RANK:-$SLURM_NODEID}" exec "$@"'"""
+    return f"srun --no-kill --kill-on-bad-exit=0 bash -c {each} - {torchrun}"
 
 
 def submit_slurm(script: str) -> str:

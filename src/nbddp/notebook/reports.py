@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from ..dashboard.sinks import columns
-from ..pool.hosts_lost import missing_line
+from ..pool.hosts_lost import missing, missing_line
 from ..wire import stacks as S
+from .session import running
 
 __all__ = ["counts_line", "stacks", "status"]
 
@@ -13,20 +14,24 @@ NO_POOL = "nbddp: no pool is running"
 
 def status(pool) -> str:
     """One row per rank: pid, host, device, state, uptime, memory."""
-    missing = getattr(getattr(pool, "roster", None), "missing", None)
-    if pool is None or not (pool.started or missing):
+    if not running(pool):
         return NO_POOL
     rows = [("rank", "pid", "host", "device", "state", "uptime", "rss")]
     for s in pool.status():
         rss = "-" if s.rss is None else f"{s.rss / 2**20:.0f} MiB"
         rows.append((str(s.rank), str(s.pid), s.host, s.device, s.state, f"{s.uptime:.0f} s", rss))
-    table = columns(rows)
-    return table + f"\nnbddp: {missing_line(pool)}" if missing else table
+    return columns(rows) + _missing(pool)
+
+
+def _missing(pool) -> str:
+    """The line that says which ranks of which lost host are missing ('' when none)."""
+    return f"\nnbddp: {missing_line(pool, refused=False)}" if missing(pool) else ""
 
 
 def stacks(pool) -> str:
-    """Every rank's current Python stack, grouped; and where the last stuck cell was."""
-    if pool is None or not pool.started:
+    """Every rank's current Python stack, grouped; and where the last stuck cell was (the
+    present ranks', and a line for those of a lost host)."""
+    if not running(pool):
         return NO_POOL
     now = pool.stacks(counts=True)
     busy = {rank: frames for rank, (frames, _) in now.items() if frames}
@@ -41,7 +46,7 @@ def stacks(pool) -> str:
         lines += S.format_groups(pool.last_stacks)
         last = getattr(pool, "last_counts", {})  # (a detached pool's are not kept)
         lines += counts_line(last, set(last))
-    return "\n".join(lines)
+    return "\n".join(lines) + _missing(pool)
 
 
 def counts_line(counts: dict[int, int], running: set[int]) -> list[str]:

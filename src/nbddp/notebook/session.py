@@ -14,7 +14,7 @@ import time
 import torch
 
 from ..dashboard.metric_store import MetricStore
-from ..pool import resizing
+from ..pool import hosts_lost, resizing
 from ..pool.errors import NbddpError, PoolStartError
 from ..pool.facade import Pool
 from ..pool.layout import check_pool
@@ -27,12 +27,20 @@ __all__ = [
     "default_pool",
     "default_world_size",
     "merged",
+    "running",
     "what_it_held",
 ]
 
 
 class Refused(NbddpError, ValueError):
     """A request the session does not carry out (one line says why); nothing changed."""
+
+
+def running(pool) -> bool:
+    """``pool`` runs: started, or an attached pool whose lost host's ranks are missing
+    (nbddp.pool.hosts_lost: the others keep their state and wait, so it is not to be
+    started again, and what needs every rank says which ranks are missing)."""
+    return pool is not None and (pool.started or bool(hosts_lost.missing(pool)))
 
 
 def default_world_size() -> int:
@@ -112,7 +120,7 @@ class Session:
             except ValueError as exc:
                 raise Refused(str(exc)) from None
             self.use(pool, options)
-        if not pool.started and not pool.needs_restart:
+        if not running(pool) and not pool.needs_restart:
             self._start(pool, lost)
         return pool
 
@@ -140,7 +148,7 @@ class Session:
         """Let the pool go for another (a local one stops, a detached one runs on); what
         was lost, for a message should the other not start ("" when nothing was)."""
         pool, lost = self.pool, ""
-        if pool is not None and not getattr(pool, "detached", False) and pool.started:
+        if pool is not None and not getattr(pool, "detached", False) and running(pool):
             lost = _lost(pool)
             say(f"stopped the pool of {_ranks(pool.world_size)}: {what_it_held(pool)}")
         self.use(None)

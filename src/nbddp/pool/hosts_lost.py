@@ -29,6 +29,7 @@ __all__ = [
     "HostsMissing",
     "arrived",
     "defer",
+    "missing",
     "missing_line",
     "store_lost",
     "take_gone",
@@ -40,6 +41,13 @@ STORE_RANK = 0  # torchrun's agent store is on the node of global rank 0
 
 class HostsMissing(PoolClosedError):
     """Ranks of a lost host have not come back yet: nothing ran, nothing was lost."""
+
+
+def missing(pool) -> dict[int, str]:
+    """The ranks of ``pool``'s lost hosts -> their host (empty: none, or no pool; a detached
+    pool's client has no roster). The pool runs meanwhile: its other ranks wait."""
+    roster = getattr(pool, "roster", None)
+    return dict(getattr(roster, "missing", None) or {})
 
 
 def host_lost(r) -> bool:
@@ -124,16 +132,20 @@ def _mark(pool, lost: dict[int, str]) -> None:
     )
 
 
-def missing_line(pool) -> str:
-    """One line: which ranks are missing, on which lost host, and what brings them back."""
+def missing_line(pool, refused: bool = True) -> str:
+    """One line: which ranks are missing, on which lost host, and what brings them back;
+    ``refused``: for what was asked and not done (a cell, a copy), else for a report."""
     missing = pool.roster.missing
     came = sorted(n for n in missing if pool.roster.parked(n) is not None)
     also = f"; {S.rank_set(came)} came back already" if came else ""
-    return (
-        f"{_of_hosts(missing)} {_are(missing)} missing: "
-        f"the host was lost; nothing ran and every other rank keeps its namespace; start the "
-        f"same launch command on a replacement host and run the cell again{also}"
+    said = (
+        "nothing ran and every other rank keeps its namespace; start the same launch "
+        "command on a replacement host, then run it again"
+        if refused
+        else "every other rank keeps its namespace and waits; start the same launch command "
+        "on a replacement host to bring them back"
     )
+    return f"{_of_hosts(missing)} {_are(missing)} missing: the host was lost; {said}{also}"
 
 
 def _are(ranks) -> str:

@@ -184,7 +184,11 @@ class PoolRepair:
         """New processes in place of the dead ranks, the group re-formed with all of them;
         every other rank keeps its namespace."""
         if self.attached and hosts_lost.defer(self, list(decision.ranks)):
-            return  # a lost host's ranks: the re-form waits for a replacement host
+            # a lost host's ranks: the re-form waits for a replacement host (said in rows)
+            missing = tuple(n for n in decision.ranks if n in self.roster.missing)
+            if missing:
+                yield P.RankStates(missing, "missing")
+            return
         t0 = time.monotonic()
         had = yield from self._formed_again(list(decision.ranks))
         if had is not None:

@@ -39,7 +39,9 @@ class Output:
 class RankState:
     rank: int
     state: str  # "queued" | "running" | "done" | "failed" | "freed" | "interrupted" | "dead"
-    # ("freed": its collective failed because the group was aborted after another rank failed)
+    # ("freed": its collective failed because the group was aborted after another rank failed;
+    # "replaced": dead, a new process took its place; "missing": dead with its host, which
+    # was lost: the rank waits for a replacement host, nbddp.pool.hosts_lost)
 
 
 @dataclass(frozen=True)
