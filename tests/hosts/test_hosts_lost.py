@@ -18,14 +18,17 @@ import signal
 import threading
 import time
 
+import psutil
 import pytest
 
 import simranks
-from helpers import collect, wait_rejoined
+from helpers import collect, detached_family, wait_rejoined
 from nbddp import CellFailed, Pool, PoolClosedError
 from nbddp.dashboard.sinks import TextSink
 from nbddp.dashboard.view import Dashboard
-from nbddp.notebook import reports
+from nbddp.detached import client
+from nbddp.detached import messages as W
+from nbddp.notebook import remote, reports
 from nbddp.notebook.session import SESSION
 from nbddp.pool.hosts_lost import HostsMissing
 from nbddp.wire import protocol as P
@@ -219,3 +222,107 @@ def test_while_a_hosts_ranks_are_missing_each_command_says_so_or_works_on_the_ot
         for rank, x in ((0, 0), (1, 10), (2, None), (3, None)):  # the others kept x
             assert f"{rank} {x}" in printed, printed
         assert "missing" not in magic(shell, capsys, "%ddp status")[0]
+
+
+# ---------------------------------------------- the same through a detached attached pool
+
+
+@contextlib.contextmanager
+def detached_sim_hosts(name: str, hosts: int, per_host: int, token_file: str):
+    """As :func:`sim_hosts`, the pool attached with ``%ddp attach --detached NAME``: its
+    listener and core in a supervisor; (the kernel's client, sims, start(ranks))."""
+    world, token = hosts * per_host, remote.read_or_create_token(token_file)
+    sims: list = []
+    address: list[str] = []  # where the supervisor listens, once it does
+
+    def start(ranks: range | None = None) -> list:
+        procs = 1 if ranks is not None else hosts
+        new = simranks.start(
+            address[0], token, world, procs, per_host=per_host, relay=True, held=True, ranks=ranks
+        )
+        sims.extend(new)
+        return new
+
+    def watch(folder: str) -> None:  # the kernel's watch: the ranks are called once it listens
+        path = os.path.join(folder, W.ADDRESS)
+        if not address and os.path.exists(path):
+            with open(path) as f:
+                address.append(f.read().strip())
+            start()
+
+    try:
+        pool = client.start(
+            name,
+            world,
+            attach={"token_file": token_file, "tls": False},
+            listen=("127.0.0.1", 0),
+            start_timeout=60,
+            watch=watch,
+        )
+        with detached_family(name):  # (what a failed test left of it: stopped, removed)
+            yield pool, sims, start
+            pool.stop()
+    finally:
+        for sim in sims:
+            with contextlib.suppress(Exception):
+                sim.wait(30)
+            if sim.poll() is None:
+                sim.kill()
+                sim.wait()
+
+
+def lose_sim_host(sim) -> None:
+    """SIGKILL a simulated host from outside its pool: its relay (forked from its process:
+    the same command line), then its process. The relay first: its connection ends with
+    its ranks, as when a host goes at once (a relay that outlives its ranks a moment says
+    their deaths first, and a `%ddp status` that reads them then takes them for dead ranks
+    of a lost pool, not missing ones: a gap of the pool's core, in-kernel too)."""
+    (relay,) = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if p.info["cmdline"] == sim.args and p.pid != sim.pid
+    ]
+    relay.kill()
+    sim.kill()
+    sim.wait(30)
+
+
+@pytest.mark.timeout(120)
+def test_a_detached_attached_pool_says_which_ranks_are_missing_and_takes_them_back(
+    shell, capsys, tmp_path
+):
+    """Through ``%ddp attach --detached``'s supervisor (whose kernel-side client has no
+    roster), while a lost host's ranks are missing: ``%ddp status`` shows them, a cell and
+    ``%ddp copy`` are refused at once in one line naming them (never `no pool is
+    running`, a start or a wait), the pool runs on; the replacement's ranks are taken
+    back, and the others kept their values."""
+    with detached_sim_hosts("dm", 2, 2, str(tmp_path / "token")) as (pool, sims, start):
+        SESSION.pool = pool
+        assert not magic(shell, capsys, "%%ddp\nx = rank * 10")[1]
+        lose_sim_host(sims[1])
+        deadline = time.monotonic() + 30
+        while " missing " not in (printed := magic(shell, capsys, "%ddp status")[0]):
+            assert time.monotonic() < deadline, f"never shown missing: {printed}"
+        assert printed.count(" missing ") == 2, printed
+        assert "ranks 2, 3 of host sim1 are missing" in printed.splitlines()[-1], printed
+        t0 = time.monotonic()
+        for line in ("%%ddp\nx = None", "%ddp copy x --from 0 --to 2"):
+            printed, error = magic(shell, capsys, line)
+            assert re.search(MISSING, error), f"{line}: {error!r} {printed!r}"
+            assert "\n" not in error, error
+            assert printed.strip() == f"UsageError: {error}", printed  # (no start, no traceback)
+        assert time.monotonic() - t0 < 30, "refused at once, not after waiting for the ranks"
+        printed, error = magic(shell, capsys, "%ddp stacks")
+        assert not error, error
+        assert "every rank is idle (ranks 0, 1)" in printed, printed
+        assert "ranks 2, 3 of host sim1 are missing" in printed, printed
+        assert SESSION.pool is pool
+        assert not pool.closed
+        start(range(2, 4))
+        wait_rejoined(pool, 60, "the replacement's ranks were not taken")
+        printed, error = magic(shell, capsys, "%%ddp --no-fold\nprint(rank, globals().get('x'))")
+        assert not error, error
+        for rank, x in ((0, 0), (1, 10), (2, None), (3, None)):  # the others kept x
+            assert f"{rank} {x}" in printed, printed
+        assert "missing" not in magic(shell, capsys, "%ddp status")[0]
+        SESSION.pool = None

@@ -129,6 +129,10 @@ class PoolState:
     last_stacks: dict = field(default_factory=dict)
     grace: float = 3.0  # s the ranks have to come back from an interrupt
     attached: bool = False  # its ranks were started elsewhere (torchrun) and connected in
+    # attached: the ranks of lost hosts -> their host, and those of them back already
+    # (nbddp.pool.hosts_lost.seen: what %ddp status and a refusal say of them)
+    missing: dict[int, str] = field(default_factory=dict)
+    missing_back: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,8 @@ class DetachedPool(PoolCalls):
     backend_in_use = property(lambda self: self._state.backend)
     last_stacks = property(lambda self: self._state.last_stacks)
     attached = property(lambda self: self._state.attached)  # ranks torchrun started
+    missing = property(lambda self: self._state.missing)  # (nbddp.pool.hosts_lost.seen)
+    missing_back = property(lambda self: self._state.missing_back)
 
     @property
     def resumed(self) -> bool:

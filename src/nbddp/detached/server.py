@@ -35,6 +35,7 @@ import traceback
 
 import psutil
 
+from ..pool import hosts_lost
 from ..pool.facade import Pool
 from ..wire import payload
 from ..wire import protocol as P
@@ -204,6 +205,7 @@ class Supervisor:
             dict(pool.last_stacks),
             pool.grace,
             pool.attached,
+            *hosts_lost.seen(pool),
         )
 
     def _handle(self, outbox, msg: object) -> None:

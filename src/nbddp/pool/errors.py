@@ -5,6 +5,8 @@
     NbddpError
      +-- PoolStartError      the ranks could not be started (names the rank and why)
      +-- PoolClosedError     the pool was stopped and cannot run cells
+     |    +-- HostsMissing   an attached pool's lost host's ranks have not come back
+     |                       yet (nbddp.pool.hosts_lost): nothing ran, nothing was lost
      +-- CaptureError        a --need / --imports / push name cannot be shipped
                              (raised before any rank runs)
      +-- CellFailed          a cell failed on one or more ranks; .failures lists the root
@@ -34,6 +36,7 @@ __all__ = [
     "CellDeadlocked",
     "CellFailed",
     "CellInterrupted",
+    "HostsMissing",
     "NbddpError",
     "PoolClosedError",
     "PoolStartError",
@@ -54,6 +57,11 @@ class PoolStartError(NbddpError):
 
 class PoolClosedError(NbddpError):
     """The pool was stopped."""
+
+
+class HostsMissing(PoolClosedError):
+    """Ranks of a lost host have not come back yet: nothing ran, nothing was lost (here,
+    with the others, so that a detached pool's client raises it too)."""
 
 
 class CaptureError(NbddpError):

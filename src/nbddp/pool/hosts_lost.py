@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ..wire import protocol as P
 from ..wire import stacks as S
-from .errors import PoolClosedError
+from .errors import HostsMissing
 
 __all__ = [
     "HostsMissing",
@@ -31,6 +31,7 @@ __all__ = [
     "defer",
     "missing",
     "missing_line",
+    "seen",
     "store_lost",
     "take_gone",
     "why_not",
@@ -39,15 +40,21 @@ __all__ = [
 STORE_RANK = 0  # torchrun's agent store is on the node of global rank 0
 
 
-class HostsMissing(PoolClosedError):
-    """Ranks of a lost host have not come back yet: nothing ran, nothing was lost."""
+def seen(pool) -> tuple[dict[int, str], tuple[int, ...]]:
+    """(the ranks of ``pool``'s lost hosts -> their host, those of them back already from a
+    replacement host). A detached pool's client has no roster: as its supervisor said with
+    its last answer (``pool.missing``, ``pool.missing_back``: nbddp.detached.server)."""
+    roster = getattr(pool, "roster", None)
+    if roster is None:
+        return dict(getattr(pool, "missing", None) or {}), tuple(getattr(pool, "missing_back", ()))
+    back = tuple(sorted(n for n in roster.missing if roster.parked(n) is not None))
+    return dict(roster.missing), back
 
 
 def missing(pool) -> dict[int, str]:
-    """The ranks of ``pool``'s lost hosts -> their host (empty: none, or no pool; a detached
-    pool's client has no roster). The pool runs meanwhile: its other ranks wait."""
-    roster = getattr(pool, "roster", None)
-    return dict(getattr(roster, "missing", None) or {})
+    """The ranks of ``pool``'s lost hosts -> their host (empty: none). The pool runs
+    meanwhile: its other ranks wait."""
+    return seen(pool)[0]
 
 
 def host_lost(r) -> bool:
@@ -135,8 +142,7 @@ def _mark(pool, lost: dict[int, str]) -> None:
 def missing_line(pool, refused: bool = True) -> str:
     """One line: which ranks are missing, on which lost host, and what brings them back;
     ``refused``: for what was asked and not done (a cell, a copy), else for a report."""
-    missing = pool.roster.missing
-    came = sorted(n for n in missing if pool.roster.parked(n) is not None)
+    missing, came = seen(pool)
     also = f"; {S.rank_set(came)} came back already" if came else ""
     said = (
         "nothing ran and every other rank keeps its namespace; start the same launch "
