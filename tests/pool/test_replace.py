@@ -141,6 +141,26 @@ def test_a_death_between_cells_is_said_and_replaced_before_the_next(sized_pool):
 
 
 @pytest.mark.timeout(120)
+def test_a_death_that_status_reads_first_is_still_replaced_and_the_others_keep_state(sized_pool):
+    """``%ddp status`` between a death and the next cell reads the death (its Gone): the
+    next cell still replaces only that rank (before, status marked the pool lost, and the
+    next cell started every rank anew, every namespace lost)."""
+    pool = sized_pool
+    n = pool.world_size
+    bad = n - 1
+    pids = _setup(pool)
+    os.kill(pids[bad], signal.SIGKILL)
+    assert wait_gone([pids[bad]]) == []
+    time.sleep(0.2)  # its connections close
+    rows = pool.status(timeout=1.0)  # waits for its reply, and reads its end instead
+    assert [row.rank for row in rows] == list(range(n))
+    _, _, end = collect(pool.run("rank"))
+    assert end.errors == {}
+    assert end.notes[0] == f"rank {bad} died (killed by SIGKILL) since the last cell", end.notes
+    _check_replaced(pool, end, [bad], pids)
+
+
+@pytest.mark.timeout(120)
 def test_a_death_while_the_group_re_forms_is_replaced_too(sized_pool):
     """Rank 1 fails, so the group is aborted and re-formed; rank R dies as the re-form
     begins, while the others wait for it in the new group's rendezvous: they are freed,

@@ -139,6 +139,7 @@ class Hub:
         self.relays: list[RelayLink] = []
         self.closed: list[str] = []  # connections closed for what they sent, in words
         self.arrived: queue.SimpleQueue = queue.SimpleQueue()  # (conn, hello), authenticated
+        self.held: list[Item] = []  # read by a question between cells, for the next cell
         self._selector: selectors.BaseSelector | None = None
         self._wake_r = self._wake_w = -1
         self._sentinel_fds: set[int] = set()
@@ -233,7 +234,7 @@ class Hub:
             self.before_wait()  # (a detached pool's supervisor: what it holds for the kernel)
         self.open()
         self._watch_sentinels()
-        items: list[Item] = []
+        items, self.held = self.held, []
         ended = False
         for key, _ in self._selector.select(timeout):
             what = key.data

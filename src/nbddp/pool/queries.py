@@ -37,7 +37,9 @@ def ask(pool, msg: object, reply: type, timeout: float) -> dict[int, object]:
             if kind is Msg and isinstance(item.msg, reply):
                 replies[item.rank] = item.msg
             elif kind is Gone and not hosts_lost.take_gone(pool, item.rank):
-                pool.state = "lost"  # (a lost host's ranks are missing: the pool waits)
+                # a death is the next cell's to mend (a rank replaced, the others kept):
+                # held for it, never decided here
+                pool.hub.held.append(item)
         pool.roster.keep_output(items)
     return replies
 
