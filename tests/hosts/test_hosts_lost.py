@@ -209,19 +209,25 @@ def test_while_a_hosts_ranks_are_missing_each_command_says_so_or_works_on_the_ot
         assert not error, error
         assert printed.count(" missing ") == 2, printed
         assert "ranks 2, 3 of host sim1 are missing" in printed.splitlines()[-1], printed
-        printed, error = magic(shell, capsys, "%ddp stacks")
-        assert not error, error
-        assert "every rank is idle (ranks 0, 1)" in printed, printed
-        assert "ranks 2, 3 of host sim1 are missing" in printed, printed
-        assert SESSION.pool is pool
         assert [s.state for s in pool.status()][:2] == ["idle"] * 2
-        start(range(2, 4))
-        wait_rejoined(pool, 60, "the replacement's ranks were not taken")
-        printed, error = magic(shell, capsys, "%%ddp --no-fold\nprint(rank, globals().get('x'))")
-        assert not error, error
-        for rank, x in ((0, 0), (1, 10), (2, None), (3, None)):  # the others kept x
-            assert f"{rank} {x}" in printed, printed
-        assert "missing" not in magic(shell, capsys, "%ddp status")[0]
+        _stacks_then_rejoin(shell, capsys, pool, start)
+
+
+def _stacks_then_rejoin(shell, capsys, pool, start) -> None:
+    """Host sim1 (ranks 2, 3) lost: ``%ddp stacks`` works on ranks 0, 1 and names the
+    missing; the replacement's ranks are taken back fresh, and ranks 0, 1 kept ``x``."""
+    printed, error = magic(shell, capsys, "%ddp stacks")
+    assert not error, error
+    assert "every rank is idle (ranks 0, 1)" in printed, printed
+    assert "ranks 2, 3 of host sim1 are missing" in printed, printed
+    assert SESSION.pool is pool
+    start(range(2, 4))
+    wait_rejoined(pool, 60, "the replacement's ranks were not taken")
+    printed, error = magic(shell, capsys, "%%ddp --no-fold\nprint(rank, globals().get('x'))")
+    assert not error, error
+    for rank, x in ((0, 0), (1, 10), (2, None), (3, None)):  # the others kept x
+        assert f"{rank} {x}" in printed, printed
+    assert "missing" not in magic(shell, capsys, "%ddp status")[0]
 
 
 # ---------------------------------------------- the same through a detached attached pool
@@ -312,17 +318,6 @@ def test_a_detached_attached_pool_says_which_ranks_are_missing_and_takes_them_ba
             assert "\n" not in error, error
             assert printed.strip() == f"UsageError: {error}", printed  # (no start, no traceback)
         assert time.monotonic() - t0 < 30, "refused at once, not after waiting for the ranks"
-        printed, error = magic(shell, capsys, "%ddp stacks")
-        assert not error, error
-        assert "every rank is idle (ranks 0, 1)" in printed, printed
-        assert "ranks 2, 3 of host sim1 are missing" in printed, printed
-        assert SESSION.pool is pool
         assert not pool.closed
-        start(range(2, 4))
-        wait_rejoined(pool, 60, "the replacement's ranks were not taken")
-        printed, error = magic(shell, capsys, "%%ddp --no-fold\nprint(rank, globals().get('x'))")
-        assert not error, error
-        for rank, x in ((0, 0), (1, 10), (2, None), (3, None)):  # the others kept x
-            assert f"{rank} {x}" in printed, printed
-        assert "missing" not in magic(shell, capsys, "%ddp status")[0]
+        _stacks_then_rejoin(shell, capsys, pool, start)
         SESSION.pool = None

@@ -124,15 +124,21 @@ def test_sigkill_from_outside_while_the_others_wait_in_a_collective(sized_pool, 
     _check_replaced(pool, end, dead, pids)
 
 
-@pytest.mark.timeout(120)
-def test_a_death_between_cells_is_said_and_replaced_before_the_next(sized_pool):
-    pool = sized_pool
-    n = pool.world_size
-    bad = n - 1
+def _killed_between_cells(pool) -> tuple[int, list[int]]:
+    """The last rank SIGKILLed between cells, gone and its connections closed (nothing
+    runs): (that rank, the pids before)."""
+    bad = pool.world_size - 1
     pids = _setup(pool)
     os.kill(pids[bad], signal.SIGKILL)
     assert wait_gone([pids[bad]]) == []
     time.sleep(0.2)  # its connections close; nothing runs
+    return bad, pids
+
+
+@pytest.mark.timeout(120)
+def test_a_death_between_cells_is_said_and_replaced_before_the_next(sized_pool):
+    pool = sized_pool
+    bad, pids = _killed_between_cells(pool)
     _, _, end = collect(pool.run("rank"))
     assert end.errors == {}
     assert end.exits == {}
@@ -147,11 +153,7 @@ def test_a_death_that_status_reads_first_is_still_replaced_and_the_others_keep_s
     next cell started every rank anew, every namespace lost)."""
     pool = sized_pool
     n = pool.world_size
-    bad = n - 1
-    pids = _setup(pool)
-    os.kill(pids[bad], signal.SIGKILL)
-    assert wait_gone([pids[bad]]) == []
-    time.sleep(0.2)  # its connections close
+    bad, pids = _killed_between_cells(pool)
     rows = pool.status(timeout=1.0)  # waits for its reply, and reads its end instead
     assert [row.rank for row in rows] == list(range(n))
     _, _, end = collect(pool.run("rank"))
