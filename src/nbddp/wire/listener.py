@@ -10,8 +10,9 @@ rank holding the token is through in one round trip whatever the others do.
 Bounded: the whole handshake, the peer's first message included, must end within
 HANDSHAKE_TIMEOUT seconds of its accept, however the peer paces its bytes; at most
 MAX_PENDING connections that have not yet proven the token are held (one descriptor
-each): the next one closes the oldest of the address that holds the most, so a
-crowd from one address makes room from itself, never from a rank of another host.
+each; one more for the moment between its accept and making room): the next one
+closes the oldest of the address that holds the most, so a crowd from one address
+makes room from itself, never from a rank of another host.
 Nothing a peer sends is decoded before it proved the token. A peer that fails is
 refused: the refusals are counted by reason and said in one folded line each
 (:meth:`Listener.refusals`), however many there were.
