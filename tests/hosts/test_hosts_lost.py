@@ -32,6 +32,7 @@ from nbddp.notebook import remote, reports
 from nbddp.notebook.session import SESSION
 from nbddp.pool.hosts_lost import HostsMissing
 from nbddp.wire import protocol as P
+from nbddp.wire.stacks import rank_set
 
 SHOW_X = "print(rank, globals().get('x'))"
 
@@ -104,6 +105,37 @@ def test_a_lost_host_waits_and_its_ranks_rejoin_from_a_replacement(hosts, per_ho
         assert "was lost" in said, said
         assert "rejoined from sim1" in said, said
         assert f"re-formed with the new ranks {per_host}-{2 * per_host - 1}" in said, said
+        values = shown(pool)
+        expect = {r: "None" if r in lost else str(r * 10) for r in range(world)}
+        assert values == {r: f"{r} {v}" for r, v in expect.items()}, "the others kept x"
+        assert [s.state for s in pool.status()] == ["idle"] * world
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("hosts", "per_host"), [(2, 2), (3, 3), (2, 4), (2, 8)])
+def test_a_host_whose_ranks_end_before_its_relay_is_lost_not_late(hosts, per_host):
+    """A host killed process by process, its ranks before its relay: the notebook reads its
+    ranks' ends first (plain deaths: their holders should fork new processes) and starts
+    the re-form that waits for them; the relay's end then makes them missing at once (before,
+    the re-form waited 60 s for processes that could not come, then stopped the pool and
+    every rank's state with it). A replacement brings them back, the others kept x."""
+    world, lost = hosts * per_host, range(per_host, 2 * per_host)
+    with sim_hosts(hosts, per_host) as (pool, sims, start):
+        pool.execute("x = rank * 10")
+        relay = next(r for r in pool.hub.relays if r.ranks and min(r.ranks) == per_host)
+        sims[1].kill()
+        sims[1].wait(30)
+        time.sleep(0.5)  # (the relay tells the notebook its ranks ended)
+        threading.Timer(1.0, os.kill, (relay.pid, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(HostsMissing, match=rf"{rank_set(lost)} of host sim1 are missing"):
+            pool.execute("x = None")  # its mend reads the deaths while the relay still runs
+        assert time.monotonic() - t0 < 15, "missing once the relay ended, not after 60 s"
+        said = " ".join(pool.take_notes())
+        assert "host sim1" in said and "was lost" in said, said
+        assert [s.rank for s in pool.status() if s.state == "missing"] == list(lost)
+        start(lost)
+        wait_rejoined(pool, 60, "the replacement's ranks were not taken")
         values = shown(pool)
         expect = {r: "None" if r in lost else str(r * 10) for r in range(world)}
         assert values == {r: f"{r} {v}" for r, v in expect.items()}, "the others kept x"

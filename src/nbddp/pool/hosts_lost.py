@@ -23,10 +23,11 @@ from __future__ import annotations
 
 from ..wire import protocol as P
 from ..wire import stacks as S
-from .errors import HostsMissing
+from .errors import HostsMissing, PoolStartError
 
 __all__ = [
     "HostsMissing",
+    "HostsLostInReform",
     "arrived",
     "defer",
     "missing",
@@ -34,6 +35,7 @@ __all__ = [
     "seen",
     "store_lost",
     "take_gone",
+    "vanished",
     "why_not",
 ]
 
@@ -100,6 +102,26 @@ def why_not(pool) -> str:
         f"{_hosts(lost)} was lost with torchrun's store (its agent on node rank 0 held it, "
         "where the ranks meet to re-form), so the others cannot meet again"
     )
+
+
+class HostsLostInReform(PoolStartError):
+    """A re-form waited for the new processes of dead ranks whose host's relay then ended:
+    the host was lost as its ranks died (its ranks' ends read before its relay's), so
+    they are missing, not late (``ranks``: rank -> its host)."""
+
+    def __init__(self, ranks: dict[int, str]) -> None:
+        super().__init__(f"{_hosts(ranks)} was lost while its ranks were being replaced")
+        self.ranks = ranks
+
+
+def vanished(roster, dead: dict) -> dict[int, str]:
+    """Of ``dead`` (rank -> its dead process's record), those whose host's relay has ended
+    since, no new process having come: rank -> host."""
+    return {
+        n: r.host
+        for n, r in dead.items()
+        if host_lost(r) and (n not in roster.ranks or roster.ranks[n].link.conn is None)
+    }
 
 
 def take_gone(pool, rank: int) -> bool:

@@ -63,6 +63,10 @@ __all__ = [
 ]
 
 REFORM_TIMEOUT = 60.0  # seconds the ranks have to join the re-formed group
+# attached: seconds the new processes of dead ranks have to join: longer than a relay waits
+# for its holders' (nbddp.hosts.relay_carry.RENEW_WAIT, 60 s) before it ends, so a host
+# whose holders died too is found lost (its relay ended), not late
+RENEW_TIMEOUT = 90.0
 CRASH_LOOP = 3  # deaths of one rank within CRASH_WINDOW s: it is not replaced again
 CRASH_WINDOW = 60.0
 STALE = "objects bound to the old group (DDP models, device meshes, subgroups) must be rebuilt"

@@ -23,7 +23,7 @@ from .errors import PoolClosedError, PoolStartError
 from .hub import Gone
 from .processes import rank_env
 from .recovery import Dead, Death, Facts, Reform, Refuse, Replace, Restart
-from .roster import TAKES_NONE, RankGone
+from .roster import TAKES_NONE, Rank, RankGone
 
 if TYPE_CHECKING:
     from .facade import Pool
@@ -209,6 +209,9 @@ class PoolRepair:
         to be stopped (said in a note). Yields the output that came meanwhile."""
         try:
             had = self.form_again(dead)
+        except hosts_lost.HostsLostInReform as exc:
+            yield from self._missing_instead(exc.ranks)
+            return None
         except PoolStartError as exc:
             self.lose()
             self._take_no_rank()
@@ -219,6 +222,17 @@ class PoolRepair:
         backlog, self.roster.backlog = self.roster.backlog, []
         yield from backlog
         return had
+
+    def _missing_instead(self: Pool, lost: dict[int, str]):
+        """A re-form found a dead rank's host lost: its ranks are missing (said in a note and
+        the rows), the others are freed from the re-form that waits for them and wait,
+        without a group, for the replacement host (:func:`nbddp.pool.hosts_lost.arrived`)."""
+        hosts_lost.defer(self, sorted(lost))
+        for r in self.roster.ranks.values():
+            if r.rank not in lost and r.state == "starting" and r.link.conn is not None:
+                r.send(P.AbortGroup())
+                r.state = "idle"
+        yield P.RankStates(tuple(sorted(lost)), "missing")
 
     def form_again(
         self: Pool,
@@ -238,20 +252,39 @@ class PoolRepair:
         pending, fresh, again = sorted(dead), set(new), False
         chosen = pool_plan(self)  # a resize may change it: ranks that come to share a GPU
         backend = chosen.backend if chosen is not None else ""
+        # attached: the dead processes' records (their relay): a host lost as its ranks died
+        # ends the wait for their new processes (HostsLostInReform), which cannot come
+        records: dict[int, Rank] = {}
+        if self.attached:
+            timeout = max(timeout, recovery.RENEW_TIMEOUT)
+
+        def cancelled() -> bool:
+            return requests.cancel_wait or bool(hosts_lost.vanished(roster, records))
+
         requests.reforming, requests.cancel_wait = True, False
         try:
             while True:
                 self._count_dead(pending, had, again)
                 restart = sorted(set(pending) | fresh)  # new ones have no state: start again
+                if self.attached:
+                    records.update((n, roster.ranks[n]) for n in restart if n in roster.ranks)
                 self._reform_round(restart, backend, again)
                 fresh, again = set(restart), True
                 try:
-                    self.handshake(timeout, lambda: requests.cancel_wait)
+                    self.handshake(timeout, cancelled)
                     return had
                 except RankGone as gone:
                     if not self.can_replace():
                         raise
                     pending = [gone.rank]
+                except PoolStartError:
+                    lost = hosts_lost.vanished(roster, records)
+                    if not lost:
+                        raise
+                    roster.ranks.update((n, records[n]) for n in lost)  # dead, on a lost host
+                    if hosts_lost.store_lost(self):
+                        raise PoolStartError(hosts_lost.why_not(self)) from None
+                    raise hosts_lost.HostsLostInReform(lost) from None
         finally:
             requests.reforming = False
             roster.renewing = None
