@@ -84,9 +84,9 @@ def on_node(node: tuple[str, str, str], command: str, hosts_file: str | None = N
     return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "-u", "-m", "sh", "-c", shell]
 
 
-def kill_host(ns: str) -> None:
-    """SIGKILL every process of a namespace: all that ran on that host."""
+def kill_host(ns: str, spare: tuple[int, ...] = ()) -> None:
+    """SIGKILL every process of a namespace: all that ran on that host (but ``spare``)."""
     out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=True)
-    for pid in map(int, out.stdout.split()):
+    for pid in set(map(int, out.stdout.split())) - set(spare):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -411,6 +411,32 @@ def test_a_lost_host_rejoins_from_a_replacement_host(nodes, tmp_path, hosts, per
 
 
 @pytest.mark.timeout(300)
+def test_a_host_killed_ranks_first_is_missing_not_waited_for(nodes, tmp_path):
+    """2 hosts x 4: node-b's torchrun, holders and ranks SIGKILLed, then its relay a second
+    into the next cell's repair, which read the ranks' ends first (plain deaths, a re-form
+    waiting for their holders' new processes): the relay's end makes them missing at once
+    (before: a 60 s wait, then the pool stopped with every rank's state). The same
+    command on a replacement host brings them back; the others kept their namespaces."""
+    with attached_pool(nodes[:2], tmp_path, per_node=4) as (pool, procs):
+        pool.execute("w = torch.full((1000,), float(rank))")
+        before = namespace_digests(pool)
+        relay = next(r for r in pool.hub.relays if r.host == "node-b")
+        kill_host(nodes[1][0], spare=(relay.pid,))
+        procs[1].wait(30)
+        time.sleep(1.0)  # (the relay tells the notebook its ranks ended)
+        threading.Timer(1.0, os.kill, (relay.pid, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(HostsMissing, match=r"ranks 4-7 of host node-b are missing"):
+            pool.execute("w = None")
+        assert time.monotonic() - t0 < 20, "missing once the relay ended, not after 60 s"
+        procs.launch(nodes[2], 1)
+        wait_rejoined(pool, 180, "the replacement host's ranks never came")
+        after = namespace_digests(pool)
+        assert [after[r] for r in range(4)] == [before[r] for r in range(4)]
+        assert pool.execute(REDUCE) == [36.0] * 8
+
+
+@pytest.mark.timeout(300)
 def test_a_lost_host_that_held_torchruns_store_stops_the_pool_and_says_why(nodes, tmp_path):
     """node-a held torchrun's store (node rank 0): the others cannot meet again."""
     with attached_pool(nodes[:2], tmp_path, per_node=2) as (pool, procs):

@@ -270,3 +270,17 @@ def test_tee_without_a_log_directory_is_refused(shell, fake, capsys):
     assert isinstance(result.error_in_exec, UsageError)
     assert "--tee needs --log-dir" in out
     assert fake.calls == []  # the running pool was left as it was
+
+
+def test_a_detached_pool_not_started_is_not_said_started(shell, fake, capsys):
+    """A detached pool whose supervisor has no started pool (it lost its state, or its
+    attached ranks are not all in): the cell goes to the supervisor, which mends or starts
+    its pool and says so; the kernel claims no start of its own (it said `started 2 ranks
+    in 0.0 s`: DetachedPool.start() has nothing to start)."""
+    fake.started, fake.detached, fake.backend = False, True, "gloo"
+    fake.start = lambda: fake.calls.append(("start", {}))
+    result, out = cell(shell, capsys, "")
+    assert ("start", {}) not in fake.calls, "a detached pool is started by its supervisor"
+    assert result.success
+    assert "started" not in out, out
+    assert fake.calls[-1][0].strip() == "print(rank)"

@@ -120,7 +120,9 @@ class Session:
             except ValueError as exc:
                 raise Refused(str(exc)) from None
             self.use(pool, options)
-        if not running(pool) and not pool.needs_restart:
+        # (a detached pool's supervisor starts or mends its own pool as the cell comes)
+        detached = getattr(pool, "detached", False)
+        if not running(pool) and not pool.needs_restart and not detached:
             self._start(pool, lost)
         return pool
 
