@@ -26,8 +26,8 @@ from ..wire import stacks as S
 from .errors import HostsMissing, PoolStartError
 
 __all__ = [
-    "HostsMissing",
     "HostsLostInReform",
+    "HostsMissing",
     "arrived",
     "defer",
     "missing",
