@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -32,11 +33,9 @@ from nbddp.wire import handshake as HS
 from nbddp.wire import protocol as P
 
 
-def relay_folders() -> set[str]:
-    import tempfile
-
+def relay_folders(where: str) -> set[str]:
     prefix = f"nbddp-relay-{os.getuid()}-"
-    return {f for f in os.listdir(tempfile.gettempdir()) if f.startswith(prefix)}
+    return {f for f in os.listdir(where) if f.startswith(prefix)}
 
 
 def test_a_relay_is_wanted_for_several_ranks_or_a_held_one_on_a_host_over_tcp():
@@ -135,8 +134,13 @@ def test_a_done_goes_up_after_all_its_rank_wrote_before_it(tmp_path):
 
 
 @pytest.fixture
-def hosts():
-    """``hosts(per_host)``: a pool of two simulated hosts, each behind nbddp's relay."""
+def hosts(monkeypatch):
+    """``hosts(per_host)``: a pool of two simulated hosts, each behind nbddp's relay; the
+    relays' folders in a temporary folder of the test's own (TMPDIR: others' relays, of a
+    test run beside this one, are not counted), short enough for a socket's path."""
+    where = tempfile.mkdtemp(prefix="nbr")
+    monkeypatch.setenv("TMPDIR", where)
+    monkeypatch.setattr(tempfile, "tempdir", where)  # (this process's relay.socket_path)
     started = []
 
     def _hosts(per_host: int) -> Pool:
@@ -147,7 +151,6 @@ def hosts():
         started.append((pool, sims))
         return pool.start()
 
-    before = relay_folders()
     yield _hosts
     for pool, sims in started:
         relays = [r.pid for r in pool.hub.relays]
@@ -155,7 +158,8 @@ def hosts():
         for sim in sims:
             sim.wait(30)
         assert wait_gone(relays) == []  # a relay ends with its ranks
-    assert relay_folders() - before == set()
+    assert relay_folders(where) == set()
+    os.rmdir(where)
 
 
 @pytest.mark.parametrize("per_host", [2, 3, 4, 8])
