@@ -411,6 +411,34 @@ def test_a_lost_host_rejoins_from_a_replacement_host(nodes, tmp_path, hosts, per
 
 
 @pytest.mark.timeout(300)
+def test_a_killed_relay_makes_its_hosts_ranks_missing_and_they_rejoin_on_that_host(
+    nodes, tmp_path
+):
+    """2 hosts x 2: only node-b's relay SIGKILLed (its ranks' one way to the notebook): its
+    ranks are missing at once, every other rank keeps its namespace; the host's holders
+    find no relay and end, so does its torchrun; the same command on the same host brings
+    them back, fresh."""
+    with attached_pool(nodes[:2], tmp_path, per_node=2) as (pool, procs):
+        pool.execute("w = torch.full((1000,), float(rank))")
+        before = namespace_digests(pool)
+        relay = next(r for r in pool.hub.relays if r.host == "node-b")
+        os.kill(relay.pid, signal.SIGKILL)
+        rows = missing_rows(pool, time.monotonic() + 30)
+        assert [(s.rank, s.host) for s in rows] == [(2, "node-b"), (3, "node-b")], rows
+        with pytest.raises(HostsMissing, match=r"ranks 2, 3 of host node-b are missing"):
+            pool.execute("w = None")
+        assert procs[1].wait(90) is not None, "node-b's torchrun ends with its holders"
+        procs.launch(nodes[1], 1)
+        wait_rejoined(pool, 180, "node-b's new ranks never came")
+        _, _, end = collect(pool.run("1"))
+        assert "rejoined from node-b" in " ".join(end.notes), end.notes
+        after = namespace_digests(pool)
+        assert [after[r] for r in (0, 1)] == [before[r] for r in (0, 1)]
+        assert all("w" not in after[r] for r in (2, 3)), "the new ranks are fresh"
+        assert pool.execute(REDUCE) == [10.0] * 4
+
+
+@pytest.mark.timeout(300)
 def test_a_host_killed_ranks_first_is_missing_not_waited_for(nodes, tmp_path):
     """2 hosts x 4: node-b's torchrun, holders and ranks SIGKILLed, then its relay a second
     into the next cell's repair, which read the ranks' ends first (plain deaths, a re-form
