@@ -411,9 +411,7 @@ def test_a_lost_host_rejoins_from_a_replacement_host(nodes, tmp_path, hosts, per
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_relay_makes_its_hosts_ranks_missing_and_they_rejoin_on_that_host(
-    nodes, tmp_path
-):
+def test_a_killed_relay_makes_its_hosts_ranks_missing_and_they_rejoin_on_that_host(nodes, tmp_path):
     """2 hosts x 2: only node-b's relay SIGKILLed (its ranks' one way to the notebook): its
     ranks are missing at once, every other rank keeps its namespace; the host's holders
     find no relay and end, so does its torchrun; the same command on the same host brings
