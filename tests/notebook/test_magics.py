@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+import os
 import re
+import signal
+import time
 
 import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
-from helpers import wait_gone
+from helpers import namespace_digests, wait_gone
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +72,50 @@ def test_the_core_example_end_to_end(shell, run):
     result, out = run("%ddp stop")
     assert "stopped the pool" in out
     assert wait_gone(new_pids) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_a_death_that_ddp_status_reads_is_replaced_by_the_next_cell(shell, run, n):
+    """A rank SIGKILLed between cells, then `%ddp status` (which reads its death): the next
+    cell replaces that rank and every other rank keeps its namespace (before, the session
+    took the pool for not started and started it: `the pool did not start: rank N exited
+    while starting`, and the cell did not run)."""
+    run(f"%%ddp -n {n} --text\nx = rank * 10")
+    pool = magics(shell).pool
+    bad, before, pids = n - 1, namespace_digests(pool), pool.roster.pids()
+    os.kill(pids[bad], signal.SIGKILL)
+    assert wait_gone([pids[bad]]) == []
+    time.sleep(0.2)  # its connections close
+    _, shown = run("%ddp status")
+    assert re.search(rf"^{bad} +{pids[bad]} .* dead ", shown, re.M), shown
+    result, out = run("%%ddp --text\nprint(rank, x if 'x' in globals() else None)")
+    assert result.success, out
+    assert f"rank {bad}: a new process took its place" in out, out
+    after = namespace_digests(pool)
+    assert [after[r] for r in range(n - 1)] == [before[r] for r in range(n - 1)]
+    assert pool.roster.pids()[bad] != pids[bad]
+    assert {k: v for k, v in pool.roster.pids().items() if k != bad} == {
+        k: v for k, v in pids.items() if k != bad
+    }
+
+
+@pytest.mark.timeout(120)
+def test_options_that_restart_a_pool_whose_death_status_read_say_what_is_lost(shell, run):
+    """The same pool, a rank dead and read by `%ddp status`, then `%ddp start --seed 1`
+    (new options: a new pool): the others' state is said lost (it was not: the pool
+    read as not started, so nothing was said)."""
+    run("%%ddp -n 3 --text\nx = rank * 10")
+    pool = magics(shell).pool
+    os.kill(pool.roster.pids()[2], signal.SIGKILL)
+    assert wait_gone([pool.roster.pids()[2]]) == []
+    time.sleep(0.2)
+    run("%ddp status")
+    result, out = run("%ddp start -n 3 --seed 1")
+    assert result.success, out
+    assert "every rank's state is lost" in out, out
+    assert "x" in out.split("every rank's state is lost", 1)[1].splitlines()[0], out
+    run("%ddp start -n 3")  # (the module's options back)
 
 
 def test_a_rank_error_fails_the_cell_with_each_ranks_traceback(run):

@@ -15,7 +15,7 @@ from ..pool import capture
 from ..pool.errors import PoolStartError
 from . import attaching, detaching, reports
 from .options import ddp_attach, ddp_connect, ddp_start, parse_argstring
-from .session import default_world_size, say, what_it_held
+from .session import default_world_size, running, say, what_it_held
 
 __all__ = ["PoolCommands"]
 
@@ -160,7 +160,7 @@ class PoolCommands:
             say(f"already connected to the detached pool {args.name}")
             return
         pool = detaching.connect(args.name, args.force)  # first: a wrong name changes nothing
-        if held is not None and not getattr(held, "detached", False) and held.started:
+        if held is not None and not getattr(held, "detached", False) and running(held):
             say(f"stopped the pool of this kernel: {what_it_held(held)}")
         self.session.use(pool)
         if pool.resumed:  # a cell ran while no kernel was connected: its output and end

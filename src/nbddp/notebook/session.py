@@ -39,8 +39,12 @@ class Refused(NbddpError, ValueError):
 def running(pool) -> bool:
     """``pool`` runs: started, or an attached pool whose lost host's ranks are missing
     (nbddp.pool.hosts_lost: the others keep their state and wait, so it is not to be
-    started again, and what needs every rank says which ranks are missing)."""
-    return pool is not None and (pool.started or bool(hosts_lost.missing(pool)))
+    started again, and what needs every rank says which ranks are missing), or a pool
+    whose rank's death ``%ddp status`` read waits for the next cell to replace that rank
+    (started again, every rank's state would be lost)."""
+    return pool is not None and (
+        pool.started or bool(hosts_lost.missing(pool)) or getattr(pool, "mend_pending", False)
+    )
 
 
 def default_world_size() -> int:
@@ -182,7 +186,7 @@ class Session:
     def _let_go(self, pool: Pool, size: int) -> str:
         """Stop ``pool`` to make way for one of ``size`` ranks; what it held."""
         lost = ""
-        if pool.started:
+        if running(pool):  # (a rank dead since the last cell: the others' state is said)
             lost = _lost(pool)
             say(
                 f"restarting the pool with {_ranks(size)}: every rank's state is lost "

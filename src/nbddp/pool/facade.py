@@ -146,6 +146,12 @@ class Pool(PoolLife, PoolRepair, PoolCalls):
         return self.roster.started
 
     @property
+    def mend_pending(self) -> bool:
+        """A death read between cells (by ``%ddp status`` or ``stacks``) waits for the next
+        cell's repair, which replaces that rank: the pool is not to be started again."""
+        return bool(self.hub.held)
+
+    @property
     def attached(self) -> bool:
         """The ranks were started elsewhere (torchrun) and connected over TCP."""
         return self.listen_on is not None
