@@ -13,6 +13,7 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from helpers import namespace_digests, wait_gone
+from nbddp.wire.stacks import rank_set
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,9 @@ def test_a_death_that_ddp_status_reads_is_replaced_by_the_next_cell(shell, run, 
     time.sleep(0.2)  # its connections close
     _, shown = run("%ddp status")
     assert re.search(rf"^{bad} +{pids[bad]} .* dead ", shown, re.M), shown
+    _, shown = run("%ddp stacks")  # (not `every rank is idle`)
+    assert f"{rank_set(range(n - 1))} {'are' if n > 2 else 'is'} idle" in shown, shown
+    assert f"rank {bad} did not answer (a rank that died" in shown, shown
     result, out = run("%%ddp --text\nprint(rank, x if 'x' in globals() else None)")
     assert result.success, out
     assert f"rank {bad}: a new process took its place" in out, out

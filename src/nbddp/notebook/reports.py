@@ -23,6 +23,10 @@ def status(pool) -> str:
     return columns(rows) + _missing(pool)
 
 
+def _are(ranks) -> str:
+    return "are" if len(ranks) > 1 else "is"
+
+
 def _missing(pool) -> str:
     """The line that says which ranks of which lost host are missing ('' when none)."""
     return f"\nnbddp: {missing_line(pool, refused=False)}" if missing(pool) else ""
@@ -35,12 +39,19 @@ def stacks(pool) -> str:
         return NO_POOL
     now = pool.stacks(counts=True)
     busy = {rank: frames for rank, (frames, _) in now.items() if frames}
-    lines = (
-        S.format_groups(busy)
-        if busy
-        else [f"nbddp: every rank is idle ({S.rank_set(sorted(now))})"]
-    )
+    silent = sorted(set(range(pool.world_size)) - set(now) - set(missing(pool)))
+    if busy:
+        lines = S.format_groups(busy)
+    elif silent:
+        lines = [f"nbddp: {S.rank_set(sorted(now))} {_are(now)} idle"]
+    else:
+        lines = [f"nbddp: every rank is idle ({S.rank_set(sorted(now))})"]
     lines += counts_line({rank: n for rank, (_, n) in now.items()}, set(busy))
+    if silent:  # (a death read here is the next cell's to mend: nbddp.pool.queries.ask)
+        lines.append(
+            f"nbddp: {S.rank_set(silent)} did not answer (a rank that died since the last "
+            "cell is replaced by the next one, and the others keep their state)"
+        )
     if pool.last_stacks:
         lines.append("where the ranks were when the last cell was interrupted or timed out:")
         lines += S.format_groups(pool.last_stacks)
