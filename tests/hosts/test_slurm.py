@@ -320,8 +320,14 @@ def test_a_lost_slurm_node_rejoins_from_a_replacement_node(slurm_pool, netns_nod
     while node_state(env, "node-b") not in ("down*", "down"):  # (SlurmdTimeout=5)
         assert time.monotonic() < deadline, f"node-b is {node_state(env, 'node-b')}"
         time.sleep(0.5)
-    with pytest.raises(HostsMissing, match=r"ranks 2, 3 of host node-b are missing"):
+    with pytest.raises(HostsMissing, match=r"ranks 2, 3 of host node-b are missing") as no:
         pool.execute("w = None")  # refused at once: nothing runs
+    recipe = (  # the real job id, node rank and master: what brings node-b's ranks back
+        f"`scontrol write batch_script {jobs[0]} nbddp.sh` then `sbatch --nodes 1 "
+        "--export=ALL,NBDDP_NODE_RANK=1,NBDDP_MASTER_ADDR=node-a nbddp.sh`"
+    )
+    assert recipe in str(no.value), no.value
+    assert recipe in " ".join(pool.take_notes())
     assert squeue(env, "-j", jobs[0], "-o", "%T").split() == ["RUNNING"], "--no-kill"
     assert [s.state for s in pool.status()] == ["idle", "idle", "missing", "missing"]
     script = subprocess.run(

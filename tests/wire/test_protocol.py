@@ -40,3 +40,22 @@ def test_a_nul_that_cannot_start_a_marker_is_not_held():
     pieces, held = P.split_markers("a\x00b")
     assert pieces == ["a\x00b"]
     assert held == ""
+
+
+def test_slurm_of_keeps_only_plain_values() -> None:
+    """A rank's SLURM origin is shown to the user: digits for the job, an int node rank, a plain
+    host; anything else (or a part missing) drops it all."""
+    ok = {"SLURM_JOB_ID": "4711", "PET_NODE_RANK": "2", "MASTER_ADDR": "node-1.cluster"}
+    assert P.slurm_of(ok) == P.Slurm("4711", 2, "node-1.cluster")
+    assert P.slurm_of({**ok, "GROUP_RANK": "3"}).node_rank == 3
+    assert P.loads(P.dumps(P.Hello(0, 2, 0, 2, 1, "h", False, slurm=P.slurm_of(ok)))).slurm
+    for bad in (
+        {"SLURM_JOB_ID": "47a1"},
+        {"SLURM_JOB_ID": ""},
+        {"PET_NODE_RANK": "-1"},
+        {"PET_NODE_RANK": "99999999"},
+        {"MASTER_ADDR": "host; rm -rf /"},
+        {"MASTER_ADDR": "x\nsecond line"},
+        {"MASTER_ADDR": ""},
+    ):
+        assert P.slurm_of({**ok, **bad}) is None, bad

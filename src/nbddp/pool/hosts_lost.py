@@ -32,6 +32,7 @@ __all__ = [
     "defer",
     "missing",
     "missing_line",
+    "recipe",
     "seen",
     "store_lost",
     "take_gone",
@@ -155,10 +156,26 @@ def _mark(pool, lost: dict[int, str]) -> None:
     pool.roster.missing.update(lost)
     pool.notes.append(
         f"{_hosts(lost)} was lost (its relay's connection closed with its ranks): the pool "
-        "waits for it, and every other rank keeps its namespace; start the same launch "
-        "command on a replacement host to bring its ranks back (fresh: `%ddp copy` or "
-        "--heal gives them what a survivor holds)"
+        f"waits for it, and every other rank keeps its namespace; {recipe(pool, lost)} to "
+        "bring its ranks back (fresh: `%ddp copy` or --heal gives them what a survivor holds)"
     )
+
+
+def recipe(pool, ranks) -> str:
+    """What brings ``ranks`` back: their node's job script resubmitted for that one node when
+    they were launched under SLURM (each rank's Hello said its job, node rank and master:
+    P.slurm_of), else the same launch command on a replacement host (as a detached pool's
+    client, which has no roster, always says)."""
+    held = getattr(getattr(pool, "roster", None), "ranks", {})
+    origins = [getattr(held.get(n), "slurm", None) for n in ranks]
+    if not origins or any(o is None for o in origins):
+        return "start the same launch command on a replacement host"
+    steps = [
+        f"`scontrol write batch_script {o.job_id} nbddp.sh` then `sbatch --nodes 1 "
+        f"--export=ALL,NBDDP_NODE_RANK={o.node_rank},NBDDP_MASTER_ADDR={o.master_addr} nbddp.sh`"
+        for o in sorted(set(origins), key=lambda o: o.node_rank)
+    ]
+    return "resubmit the SLURM job for the lost node: " + " and ".join(steps)
 
 
 def missing_line(pool, refused: bool = True) -> str:
@@ -166,12 +183,11 @@ def missing_line(pool, refused: bool = True) -> str:
     ``refused``: for what was asked and not done (a cell, a copy), else for a report."""
     missing, came = seen(pool)
     also = f"; {S.rank_set(came)} came back already" if came else ""
+    how = recipe(pool, missing)
     said = (
-        "nothing ran and every other rank keeps its namespace; start the same launch "
-        "command on a replacement host, then run it again"
+        f"nothing ran and every other rank keeps its namespace; {how}, then run it again"
         if refused
-        else "every other rank keeps its namespace and waits; start the same launch command "
-        "on a replacement host to bring them back"
+        else f"every other rank keeps its namespace and waits; {how} to bring them back"
     )
     return f"{_of_hosts(missing)} {_are(missing)} missing: the host was lost; {said}{also}"
 

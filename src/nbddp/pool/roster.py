@@ -48,6 +48,7 @@ class Rank:
     modules: frozenset[str] = frozenset()  # which of them are modules
     held: tuple[P.Held, ...] = ()  # every global name with its kind and size (P.Held)
     renewable: bool = False  # attached: a holder on its host forks a new process if it dies
+    slurm: P.Slurm | None = None  # attached under SLURM: its job, node rank and master
 
     def send(self, msg: object) -> bool:
         return self.send_bytes(P.dumps(msg))
@@ -271,6 +272,7 @@ class Roster:
             return
         r.link.conn, r.link.relay, r.pid, r.host = conn, relay, hello.pid, hello.host
         r.renewable = hello.held
+        r.slurm = hello.slurm
         if relay is None:
             self.hub.watch(conn.fileno(), (r.rank, None))
         else:

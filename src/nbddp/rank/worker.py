@@ -201,6 +201,7 @@ class Worker:
                 host=socket.gethostname(),
                 needs_port=self.group.needs_port,
                 held=os.environ.get("NBDDP_HELD") == "1",
+                slurm=P.slurm_of(os.environ),
             )
         )
 

@@ -46,7 +46,9 @@ Timeline of a pool::
 
 from __future__ import annotations
 
+import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import events
@@ -142,6 +144,35 @@ class Hello:
     needs_port: bool  # True: rank 0 opens the store on a free port and reports it
     version: int = PROTOCOL_VERSION
     held: bool = False  # its holder forks a new process when it dies (nbddp.hosts.holder)
+    slurm: Slurm | None = None  # its SLURM job, node rank and master (slurm_of), shown to the user
+
+
+@dataclass(frozen=True)
+class Slurm:
+    """Where a rank launched under SLURM came from: the one-node resubmission recipe for its
+    host names these (docs/multinode.md). Built only by :func:`slurm_of`, which bounds them."""
+
+    job_id: str  # digits only
+    node_rank: int
+    master_addr: str  # a plain hostname or IP
+
+
+_ADDR = re.compile(r"[A-Za-z0-9][A-Za-z0-9.:-]{0,252}")
+
+
+def slurm_of(env: Mapping[str, str]) -> Slurm | None:
+    """The rank's SLURM origin from its environment, or None when any part is missing or not
+    plain (a job id of digits, a node rank 0..65535, a hostname/IP): they are shown to the user."""
+    job = env.get("SLURM_JOB_ID", "")
+    node = env.get("GROUP_RANK") or env.get("PET_NODE_RANK") or ""
+    addr = env.get("MASTER_ADDR", "")
+    if not (job.isascii() and job.isdigit() and len(job) <= 20):
+        return None
+    if not (node.isascii() and node.isdigit() and int(node) < 65536):
+        return None
+    if not _ADDR.fullmatch(addr):
+        return None
+    return Slurm(job, int(node), addr)
 
 
 @dataclass(frozen=True)
@@ -365,5 +396,5 @@ class Shutdown:
 
 # every message class above (ErrorInfo, Profile, Held and Script are parts of messages);
 # the events' classes decode too (they travel inside messages and relays' frames)
-_CODEC = Codec(sys.modules[__name__], (events,), (ErrorInfo, Profile, Held, Script))
+_CODEC = Codec(sys.modules[__name__], (events,), (ErrorInfo, Profile, Held, Script, Slurm))
 dumps, loads, loads_plain = _CODEC.dumps, _CODEC.loads, _CODEC.loads_plain
