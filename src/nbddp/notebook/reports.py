@@ -23,10 +23,6 @@ def status(pool) -> str:
     return columns(rows) + _missing(pool)
 
 
-def _are(ranks) -> str:
-    return "are" if len(ranks) > 1 else "is"
-
-
 def _missing(pool) -> str:
     """The line that says which ranks of which lost host are missing ('' when none)."""
     return f"\nnbddp: {missing_line(pool, refused=False)}" if missing(pool) else ""
@@ -43,7 +39,7 @@ def stacks(pool) -> str:
     if busy:
         lines = S.format_groups(busy)
     elif silent:
-        lines = [f"nbddp: {S.rank_set(sorted(now))} {_are(now)} idle"]
+        lines = [f"nbddp: {S.rank_set(sorted(now))} {S.is_are(now)} idle"]
     else:
         lines = [f"nbddp: every rank is idle ({S.rank_set(sorted(now))})"]
     lines += counts_line({rank: n for rank, (_, n) in now.items()}, set(busy))

@@ -189,11 +189,8 @@ def missing_line(pool, refused: bool = True) -> str:
         if refused
         else f"every other rank keeps its namespace and waits; {how} to bring them back"
     )
-    return f"{_of_hosts(missing)} {_are(missing)} missing: the host was lost; {said}{also}"
-
-
-def _are(ranks) -> str:
-    return "are" if len(ranks) > 1 else "is"
+    are = S.is_are(missing)
+    return f"{_of_hosts(missing)} {are} missing: the host was lost; {said}{also}"
 
 
 def arrived(pool) -> list[int]:

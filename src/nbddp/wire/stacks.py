@@ -20,6 +20,7 @@ __all__ = [
     "format_groups",
     "frames_of",
     "group",
+    "is_are",
     "main_thread_frames",
     "rank_set",
     "summary",
@@ -94,6 +95,11 @@ def rank_set(ranks: list[int] | tuple[int, ...]) -> str:
     for run in runs:  # three or more in a row read as a range
         parts += [f"{run[0]}-{run[-1]}"] if len(run) >= 3 else [str(r) for r in run]
     return f"rank{'s' * (len(ranks) != 1)} {', '.join(parts)}"
+
+
+def is_are(ranks) -> str:
+    """The verb after :func:`rank_set` of ``ranks``: ``rank 3 is``, ``ranks 0, 1 are``."""
+    return "are" if len(ranks) > 1 else "is"
 
 
 def group(stacks: dict[int, tuple[Frame, ...]]) -> list[tuple[list[int], tuple[Frame, ...]]]:
