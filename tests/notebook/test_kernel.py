@@ -307,8 +307,7 @@ def test_a_rank_killed_at_four_ranks_is_replaced_and_the_others_keep_their_state
     assert reformed[0] > replaced[0], lines
     assert re.match(
         r"the process group was re-formed with the new rank 2 in [\d.]+ s; every other rank "
-        r"kept its namespace; objects bound to the old group \(DDP models, device meshes, "
-        r"subgroups\) must be rebuilt",
+        r"kept its namespace$",  # (no DDP model: nothing to bind to the new group again)
         lines[reformed[0]],
     ), lines
     oom = [i for i, line in enumerate(lines) if line.startswith("nothing in nbddp sent rank 2")]

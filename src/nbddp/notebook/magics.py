@@ -15,7 +15,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from ..dashboard.metric_store import CellMetrics
 from ..dashboard.view import Dashboard, TextSink
-from ..pool import capture
+from ..pool import capture, copying
 from ..pool.drive import drive
 from ..pool.errors import CaptureError, CellFailed, PoolClosedError, PoolStartError, RankFailed
 from ..pool.facade import Pool, failures_of, raise_for_end
@@ -144,6 +144,7 @@ class DDPMagics(PoolCommands, Magics):
 
     def _copy(self, rest: str) -> None:
         args = parse_argstring(ddp_copy, rest)
+        copying.check_names(" ".join(args.names).replace(",", " ").split())  # (model.module)
         names = capture.split_names(" ".join(args.names))
         pool = self._running("there is nothing to copy")
         if not 0 <= args.src < pool.world_size:

@@ -28,7 +28,7 @@ from .drive import drive
 from .errors import CaptureError, RankFailed
 from .outcome import failures_of, owned_files, raise_for_end
 
-__all__ = ["Copied", "copy"]
+__all__ = ["Copied", "check_names", "copy"]
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,21 @@ class Copied:
     notes: tuple[str, ...] = ()  # the pool's notes its steps took (said once)
 
 
+def check_names(names: list[str]) -> None:
+    """CaptureError for ``model.module``: the name to copy is ``model`` (a DDP model
+    travels as the module it wraps, and is wrapped again on every rank)."""
+    for name in names:
+        parts = name.split(".")
+        if len(parts) > 1 and all(part.isidentifier() for part in parts):
+            raise CaptureError(
+                f"not a name: {name!r} (an attribute): copy {parts[0]} (a DDP model travels "
+                "as the module it wraps, and is wrapped again on every rank)"
+            )
+
+
 def _targets(pool, names: list[str], src: int, dst: list[int] | None) -> list[int]:
     """The ranks to copy to; CaptureError (one line) for what cannot be."""
+    check_names(names)
     bad = [n for n in names if not n.isidentifier()]
     if not names or bad:
         raise CaptureError(f"not a name: {bad[0]!r}" if bad else "name the objects to copy")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..wire import protocol as P
 
-__all__ = ["Healed", "killer_hint", "ordered", "replaced_note"]
+__all__ = ["Healed", "healed_words", "killer_hint", "ordered", "replaced_note"]
 
 NAMES_SAID = 12  # the names a dead rank held, said in full up to this many
 # modules, optimizers, tensors and arrays by size; then data, functions, classes, the rest
@@ -72,13 +72,18 @@ def _names(names) -> str:
 
 
 def _healed(rank: int, healed: Healed) -> str:
+    return healed_words(f"rank {rank}", healed)
+
+
+def healed_words(ranks: str, healed: Healed) -> str:
+    """``rank 2: model, opt healed from rank 0 in 0.31 s; ...`` (``ranks``: who got them)."""
     names = _names(healed.names)
     if healed.error:
-        return f"rank {rank}: --heal could not copy {names} from rank {healed.src}: {healed.error}"
+        return f"{ranks}: --heal could not copy {names} from rank {healed.src}: {healed.error}"
     wrapped = f"; {_names(healed.rewrapped)} wrapped again in DDP on every rank"
     missing = f" (rank {healed.src} has no {_names(healed.missing)})" if healed.missing else ""
     return (
-        f"rank {rank}: {names} healed from rank {healed.src} in {healed.seconds:.2f} s"
+        f"{ranks}: {names} healed from rank {healed.src} in {healed.seconds:.2f} s"
         + missing
         + (wrapped if healed.rewrapped else "")
     )

@@ -69,7 +69,6 @@ REFORM_TIMEOUT = 60.0  # seconds the ranks have to join the re-formed group
 RENEW_TIMEOUT = 90.0
 CRASH_LOOP = 3  # deaths of one rank within CRASH_WINDOW s: it is not replaced again
 CRASH_WINDOW = 60.0
-STALE = "objects bound to the old group (DDP models, device meshes, subgroups) must be rebuilt"
 
 
 class CrashLoop(PoolStartError):
@@ -284,25 +283,38 @@ def _rebuilt(facts: Facts) -> str:
     return " (nbddp rebuilt `mesh` and `group`)" if facts.rebuilt else ""
 
 
-def reformed_note(facts: Facts, decision: Reform, took: float) -> str:
-    """The group was aborted and re-formed in ``took`` s, namespaces kept."""
+def _bound(bound: str) -> str:
+    """The re-bound objects, and those left on the old group (nbddp.pool.rebinding)."""
+    return f"; {bound}" if bound else ""
+
+
+def reformed_note(facts: Facts, decision: Reform, took: float, bound: str = "") -> str:
+    """The group was aborted and re-formed in ``took`` s, namespaces kept; ``bound``: what
+    was bound to the new group again, and what could not be."""
     return (
         f"{decision.what}: the process group was aborted and re-formed in {took:.2f} s. "
-        f"Every rank kept its namespace; {STALE}" + _rebuilt(facts)
+        "Every rank kept its namespace" + _bound(bound) + _rebuilt(facts)
     )
 
 
 def replaced_notes(
-    facts: Facts, had: dict[int, Dead], took: float, fresh: dict, healed, code: str = ""
+    facts: Facts,
+    had: dict[int, Dead],
+    took: float,
+    fresh: dict,
+    healed,
+    code: str = "",
+    bound: str = "",
 ) -> list[str]:
     """What each replaced rank held (``fresh``: the names its new process started with),
-    the re-form, and who may have sent a SIGKILL (``code``: the cell's)."""
+    the re-form (``bound``: what it bound again), and who may have sent a SIGKILL
+    (``code``: the cell's)."""
     notes = [line for r in sorted(had) for line in replaced_note(r, had[r].held, fresh[r], healed)]
     new = S.rank_set(sorted(had)).replace("rank", "new rank", 1)
     if len(had) < facts.world_size:
         notes.append(
             f"the process group was re-formed with the {new} in {took:.2f} s; every other "
-            f"rank kept its namespace; {STALE}" + _rebuilt(facts)
+            "rank kept its namespace" + _bound(bound) + _rebuilt(facts)
         )
     else:
         notes.append(f"the process group was formed again with the {new} in {took:.2f} s")

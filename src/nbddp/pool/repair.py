@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..rank.gpus import pool_plan
 from ..wire import protocol as P
-from . import healing, hosts_lost, recovery
+from . import healing, hosts_lost, rebinding, recovery
 from .errors import PoolClosedError, PoolStartError
 from .hub import Gone
 from .processes import rank_env
@@ -178,7 +178,8 @@ class PoolRepair:
             yield from self._replaced(had, t0, code)
         elif not decision.quiet:
             took = time.monotonic() - t0
-            self.notes.append(recovery.reformed_note(self.facts(), decision, took))
+            bound = rebinding.words(self.roster.ranks.values(), self.world_size)
+            self.notes.append(recovery.reformed_note(self.facts(), decision, took, bound))
 
     def _replace(self: Pool, decision: Replace):
         """New processes in place of the dead ranks, the group re-formed with all of them;
@@ -198,8 +199,10 @@ class PoolRepair:
         """Say what the replaced ranks held (after ``--heal``'s copy, before the next cell)."""
         took, table = time.monotonic() - t0, self.roster.ranks
         fresh = {r: frozenset(h.name for h in table[r].held) | table[r].names for r in had}
+        bound = rebinding.words(self.roster.ranks.values(), self.world_size, died=True)
         healed = healing.heal(self, sorted(had))
-        self.notes += recovery.replaced_notes(self.facts(), had, took, fresh, healed, code)
+        facts = self.facts()
+        self.notes += recovery.replaced_notes(facts, had, took, fresh, healed, code, bound)
         for rank in sorted(had):
             yield P.RankState(rank, "replaced")
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from ..rank.gpus import gpu_notes
 from ..wire import protocol as P
 from ..wire.stacks import rank_set
+from . import healing, rebinding
+from .deathnote import Healed, healed_words
 from .errors import NbddpError, PoolStartError
 from .layout import check_backend, check_layout, check_log_dir
 from .processes import enough_open_files
@@ -40,18 +42,25 @@ class Resized:
     new: int
     seconds: float
     stopped: dict[int, frozenset[str]]  # rank -> the names it held (its own)
+    bound: str = ""  # what the re-form bound to the new group again (nbddp.pool.rebinding)
+    healed: Healed | None = None  # what ``--heal`` copied to the new ranks
 
     def line(self) -> str:
-        """``resized the pool 4 -> 2 ranks in 0.31 s: ranks 2, 3 stopped (they held ...)``."""
+        """``resized the pool 4 -> 2 ranks in 0.31 s: ranks 2, 3 stopped (they held ...)``,
+        then what was bound to the new group again."""
         ranks = f"rank{'s' * (self.new > 1)}"
         head = f"resized the pool {self.old} -> {self.new} {ranks} in {self.seconds:.2f} s: "
+        bound = f"; {self.bound}" if self.bound else ""
         if self.new > self.old:
             added = rank_set(list(range(self.old, self.new)))
             are = "are" if self.new - self.old > 1 else "is"
             kept = rank_set(list(range(self.old)))
-            return head + f"{added} {are} new (fresh namespaces); {kept} kept theirs"
+            healed = f"; {healed_words(added, self.healed)}" if self.healed else ""
+            fresh = f"{added} {are} new (fresh namespaces){healed}; {kept} kept theirs"
+            return head + fresh + bound
         they = "they" if len(self.stopped) > 1 else "it"
-        return head + f"{rank_set(list(self.stopped))} stopped ({held_words(self.stopped, they)})"
+        gone = held_words(self.stopped, they)
+        return head + f"{rank_set(list(self.stopped))} stopped ({gone})" + bound
 
 
 def held_words(names: dict[int, frozenset[str]], they: str = "they") -> str:
@@ -138,7 +147,9 @@ def resize(pool, n: int) -> Resized:
         pool.notes += gpu_notes(pool)  # ranks that now share a GPU: said once
     if new:
         pool.generation += 1  # fresh namespaces: the notebook's imports are replayed
-    return Resized(old, n, time.monotonic() - t0, stopped)
+    bound = rebinding.words(pool.roster.ranks.values(), n)
+    healed = healing.heal(pool, list(new))  # (--heal: the new ranks get the named objects)
+    return Resized(old, n, time.monotonic() - t0, stopped, bound, healed)
 
 
 def _stop_ranks(pool, ranks: list[int]) -> dict[int, frozenset[str]]:

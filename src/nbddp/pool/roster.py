@@ -47,6 +47,8 @@ class Rank:
     names: frozenset[str] = frozenset()  # the rank's global names, as last reported
     modules: frozenset[str] = frozenset()  # which of them are modules
     held: tuple[P.Held, ...] = ()  # every global name with its kind and size (P.Held)
+    rebound: tuple[str, ...] = ()  # its last re-form: the DDP models it bound again
+    stale: tuple[P.Stale, ...] = ()  # its last re-form: what is still bound to the old group
     renewable: bool = False  # attached: a holder on its host forks a new process if it dies
     slurm: P.Slurm | None = None  # attached under SLURM: its job, node rank and master
 
@@ -367,6 +369,7 @@ class Roster:
         if msg.generation != self.reforms:
             return  # it joined a re-form a death made the pool give up on
         r.state, r.backend, r.device = "idle", msg.backend, msg.device
+        r.rebound, r.stale = msg.rebound, msg.stale
         if msg.names:
             r.names, r.modules = frozenset(msg.names), frozenset(msg.modules)
         if msg.held:

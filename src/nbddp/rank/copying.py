@@ -38,7 +38,7 @@ from .user_code import adopt
 from .workspace import new_folder
 from .wrap import DDP, ddp_options
 
-__all__ = ["bound_to_group", "pack", "remove", "unpack"]
+__all__ = ["bound_to_group", "group_types", "pack", "remove", "unpack"]
 
 CARRIER = "__nbddp_copy__"  # the one name a copy is bound under, until unpack binds each
 SHARDED = "a module sharded with fully_shard"
@@ -54,7 +54,7 @@ _GROUP_TYPES = (
 )
 
 
-def _group_types() -> dict[type, str]:
+def group_types() -> dict[type, str]:
     """The classes bound to a group, of the modules imported (no object of a class whose
     module was never imported can exist, and importing FSDP costs half a second)."""
     found = {}
@@ -67,7 +67,7 @@ def _group_types() -> dict[type, str]:
 
 def bound_to_group(obj: object, types: dict[type, str] | None = None) -> str | None:
     """What ``obj`` is, if it is bound to the process group (else None)."""
-    for cls, what in (types or _group_types()).items():
+    for cls, what in (types or group_types()).items():
         if isinstance(obj, cls):
             return what
     return None
@@ -94,7 +94,7 @@ def _refusal(name: str, obj: object, what: str, inside: bool) -> str:
 
 def _unwrapped(namespace: dict, names: list[str]) -> tuple[dict, dict]:
     """(name -> what travels, name -> the DDP options of those unwrapped)."""
-    types = _group_types()
+    types = group_types()
     objects, wrapped = {}, {}
     for name in names:
         obj = namespace[name]
@@ -116,7 +116,7 @@ def pack(namespace: dict, names: list[str], workspace: str | None = None) -> tup
     if missing:
         raise NameError(f"name {missing[0]!r} is not defined on this rank")
     objects, wrapped = _unwrapped(namespace, names)
-    types = _group_types()
+    types = group_types()
     if workspace is not None:
         folder = new_folder(workspace, "copy")
     else:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..wire import protocol as P
 from .ddp import DDPContext
+from .rebind import Rebound, rebind
 from .seq import positions
 
 __all__ = ["GroupKeeper", "layout", "open_sockets", "shut_down_sockets"]
@@ -133,6 +134,8 @@ class GroupKeeper:
         self.namespace: dict = {}  # the rank's namespace: a re-form rebinds group and mesh
         self._before_join: dict[int, int] = {}  # the sockets open when the join began
         self._abort_lock = threading.Lock()  # one abort at a time: the second finds it done
+        # the groups an abort ended (groups) that no re-form has bound anew yet
+        self.old_groups: list = []
 
     def join(self, fresh: bool = False, generation: int | None = None) -> DDPContext:
         """Join the default group; ``fresh``: on a new store even under torchrun.
@@ -153,20 +156,35 @@ class GroupKeeper:
         self.sockets = {fd: ino for fd, ino in open_sockets().items() if before.get(fd) != ino}
         return ctx
 
-    def reform(self, generation: int) -> None:
-        """A new default group; the namespace (and its stale objects) stays.
+    def reform(self, generation: int) -> Rebound:
+        """A new default group; the namespace stays, its DDP models bound again to the new
+        group (:func:`nbddp.rank.rebind.rebind`: what was, and what could not be).
 
         Should it fail (a peer died while the group formed, and the pool freed this
         rank, see :meth:`free_blocked`), the rank lives on without a group, and the
         next re-form connects to the store again.
         """
         self.abort()
+        old = self.old_groups  # (kept should this join fail: the next re-form maps them)
+        # what still uses the old group (an object nbddp cannot bind again) fails at once,
+        # not waits for a peer that left it: its sockets go (the store's connection stays)
+        shut_down_sockets(self.sockets, _store_port())
         try:
             self.join(fresh=True, generation=generation)
         except BaseException:
             self.abort()
             self.base_store = self.agent_store = None  # (its connection may be shut down)
             raise
+        self.old_groups = []
+        return rebind(self.namespace, dict(zip(old, self.groups(), strict=False)))
+
+    def groups(self) -> list:
+        """The default group, then the pool's own subgroups (``--groups``), of this rank:
+        a re-form maps each old one to its new one, for :func:`nbddp.rank.rebind.rebind`."""
+        if not dist.is_initialized():
+            return []
+        groups = [dist.distributed_c10d._get_default_group()]
+        return groups + (list(self.ctx.groups) if self.ctx is not None else [])
 
     def positions(self) -> tuple:
         """This rank's place in each group's collectives (:func:`nbddp.rank.seq.positions`),
@@ -184,7 +202,8 @@ class GroupKeeper:
         peers blocked in a collective with this rank are freed."""
         with self._abort_lock:
             try:
-                if dist.is_initialized():
+                if dist.is_initialized() and not self.old_groups:
+                    self.old_groups = self.groups()  # for the re-form to bind again
                     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
                     abort() if abort is not None else dist.destroy_process_group()
             except Exception:

@@ -24,7 +24,7 @@ def install(keeper: GroupKeeper) -> None:
     """Replace torch.distributed's group functions, for the rank ``keeper`` keeps."""
     c10d = dist.distributed_c10d
     init_process_group = _init_shim(keeper, c10d.init_process_group)
-    destroy_process_group = _destroy_shim(c10d.destroy_process_group)
+    destroy_process_group = _destroy_shim(keeper, c10d.destroy_process_group)
     for module in (dist, c10d):
         module.init_process_group = init_process_group
         module.destroy_process_group = destroy_process_group
@@ -59,6 +59,7 @@ def _init_shim(keeper: GroupKeeper, real_init):
             )
         if not dist.is_initialized():
             keeper.join(fresh=True)
+            keeper.old_groups = []  # the script's own new group: nothing to bind anew
             return None
         _refuse_differences(keeper, backend, world_size, rank, device_id)
         return None
@@ -87,8 +88,10 @@ def _refuse_differences(keeper: GroupKeeper, backend, world_size, rank, device_i
         )
 
 
-def _destroy_shim(real_destroy):
+def _destroy_shim(keeper: GroupKeeper, real_destroy):
     def destroy_process_group(group=None):
+        if group is None and dist.is_initialized() and not keeper.old_groups:
+            keeper.old_groups = keeper.groups()  # the re-form binds their DDP models anew
         # gloo's worker threads drop finished work under the GIL; a group freed later
         # (with its DDP model) joins them while holding the GIL, and would wait forever
         # for one still dropping work (torch; under torchrun the process exits instead).

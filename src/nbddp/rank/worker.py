@@ -45,6 +45,7 @@ from .cell import CellInterrupts, CellRunner
 from .control import Control, connect, connect_streams, flush_streams, parse_address
 from .ddp import threads_for
 from .group import GroupKeeper
+from .rebind import Rebound
 from .user_code import adopt, error_info, run_code
 
 RENEWED_CONNECT = 10.0  # s a rank taking a dead one's place tries to connect
@@ -170,11 +171,11 @@ class Worker:
         if msg.backend:  # the notebook's choice at this size (gpus.pool_plan)
             os.environ["NBDDP_BACKEND"] = msg.backend
         try:
-            self.group.reform(msg.generation)
+            rebound = self.group.reform(msg.generation)
         except Exception as exc:
             self.send(P.ReformFailed(msg.generation, error_info(exc)))
             return
-        self._ready(msg.generation)
+        self._ready(msg.generation, rebound)
 
     def _resize(self, n: int) -> None:
         """The pool now has ``n`` ranks (all on this host: a resize is for local pools):
@@ -184,11 +185,22 @@ class Worker:
         self.cells.namespace["world_size"] = n
         self._apply_threads()
 
-    def _ready(self, generation: int) -> None:
+    def _ready(self, generation: int, rebound: Rebound | None = None) -> None:
         named = self.cells.changed_names()
         names, modules = named["names"] or (), named["modules"] or ()
         held = self.cells.reported_held or ()  # (changed_names just set it)
-        self.send(P.Ready(self.group.backend, self.group.device, names, generation, modules, held))
+        self.send(
+            P.Ready(
+                self.group.backend,
+                self.group.device,
+                names,
+                generation,
+                modules,
+                held,
+                rebound=tuple(rebound.names) if rebound else (),
+                stale=tuple(rebound.stale) if rebound else (),
+            )
+        )
 
     def _hello(self) -> None:
         self.send(

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-__all__ = ["ddp_options", "rewrap"]
+__all__ = ["DDP", "ddp_options", "options_of", "rewrap", "wrap"]
 
 
 def _refuse(name: str, why: str) -> TypeError:
@@ -47,6 +47,11 @@ def ddp_options(name: str, ddp) -> dict:
         ddp, "_delay_all_reduce_params", None
     ):
         raise _refuse(name, "has mixed precision or delayed all-reduces")
+    return options_of(ddp)
+
+
+def options_of(ddp) -> dict:
+    """The options ``ddp`` was made with, as plain data, its group left out."""
     default_cap = getattr(ddp, "bucket_bytes_cap_default", False)
     caps = list(getattr(ddp, "bucket_bytes_cap_list", ()) or ())
     options = {
@@ -66,7 +71,9 @@ def ddp_options(name: str, ddp) -> dict:
     return {k: v for k, v in options.items() if k in accepted and v is not None}
 
 
-def _wrap(module: torch.nn.Module, options: dict):
+def wrap(module: torch.nn.Module, options: dict, group=None):
+    """A new DDP around ``module`` over ``group`` (the default group: None), made without
+    a collective where torch allows (``init_sync=False``): the caller syncs, if needed."""
     options = dict(options)
     if options.get("device_ids") == "own":  # this rank's device, not the source's
         device = next(module.parameters()).device
@@ -75,7 +82,7 @@ def _wrap(module: torch.nn.Module, options: dict):
         options["init_sync"] = False  # synced from the source already (_sync_from)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers, as it was given
-        return DDP(module, **options)
+        return DDP(module, process_group=group, **options)
 
 
 def _module_of(obj: object) -> torch.nn.Module | None:
@@ -134,7 +141,7 @@ def rewrap(namespace: dict, wrapped: dict[str, dict], src: int) -> list[str]:
             old._remove_autograd_hooks()  # (an alias of the old wrapper syncs nothing now)
         module = _module_of(old)
         _sync_from(module, src, options.get("broadcast_buffers", True))
-        namespace[name] = _wrap(module, options)
+        namespace[name] = wrap(module, options)
         del old
     gc.collect()  # the old wrappers (and their reducers) go now
     return sorted(wrapped)

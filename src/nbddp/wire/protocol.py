@@ -46,15 +46,14 @@ Timeline of a pool::
 
 from __future__ import annotations
 
-import re
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from . import events
+from . import events, slurm
 from .codec import Codec
 from .events import *  # noqa: F403 (the events a pool yields, as P.Output, ...)
 from .markers import end_marker, split_markers  # (the streams' end markers, as P.end_marker)
+from .slurm import Slurm, slurm_of  # (a part of Hello, as P.Slurm)
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -81,6 +80,7 @@ __all__ = [
     "Script",
     "Shutdown",
     "StackQuery",
+    "Stale",
     "Stacks",
     "StatusReply",
     "StorePort",
@@ -88,11 +88,13 @@ __all__ = [
     "dumps",
     "end_marker",
     "loads",
+    "slurm_of",
     "split_markers",
     *events.__all__,
 ]
 
-PROTOCOL_VERSION = 9  # 7: Reform: world size, Held, Run.versions; 8: Stacks.groups; 9: Done.places
+PROTOCOL_VERSION = 10  # 7: Reform: world size, Held, Run.versions; 8: Stacks.groups; 9: Done.places
+# 10: Ready.rebound, Ready.stale
 
 
 # ---------------------------------------------------------------- data
@@ -130,6 +132,16 @@ class Held:
     shipped: bool = False  # still bound to what the notebook sent (--need, automatic capture)
 
 
+@dataclass(frozen=True)
+class Stale:
+    """A global name of a rank still bound to the group a re-form replaced (nbddp could not
+    bind it again): ``kind`` ("ddp", "sharded", "group") and what it is, in words."""
+
+    name: str
+    kind: str
+    what: str
+
+
 # ---------------------------------------------------------------- worker -> notebook
 
 
@@ -145,34 +157,6 @@ class Hello:
     version: int = PROTOCOL_VERSION
     held: bool = False  # its holder forks a new process when it dies (nbddp.hosts.holder)
     slurm: Slurm | None = None  # its SLURM job, node rank and master (slurm_of), shown to the user
-
-
-@dataclass(frozen=True)
-class Slurm:
-    """Where a rank launched under SLURM came from: the one-node resubmission recipe for its
-    host names these (docs/multinode.md). Built only by :func:`slurm_of`, which bounds them."""
-
-    job_id: str  # digits only
-    node_rank: int
-    master_addr: str  # a plain hostname or IP
-
-
-_ADDR = re.compile(r"[A-Za-z0-9][A-Za-z0-9.:-]{0,252}")
-
-
-def slurm_of(env: Mapping[str, str]) -> Slurm | None:
-    """The rank's SLURM origin from its environment, or None when any part is missing or not
-    plain (a job id of digits, a node rank 0..65535, a hostname/IP): they are shown to the user."""
-    job = env.get("SLURM_JOB_ID", "")
-    node = env.get("GROUP_RANK") or env.get("PET_NODE_RANK") or ""
-    addr = env.get("MASTER_ADDR", "")
-    if not (job.isascii() and job.isdigit() and len(job) <= 20):
-        return None
-    if not (node.isascii() and node.isdigit() and int(node) < 65536):
-        return None
-    if not _ADDR.fullmatch(addr):
-        return None
-    return Slurm(job, int(node), addr)
 
 
 @dataclass(frozen=True)
@@ -205,6 +189,8 @@ class Ready:
     generation: int = 0  # the re-form of the group it joined (0: the first group)
     modules: tuple[str, ...] = ()  # which of ``names`` are modules
     held: tuple[Held, ...] = ()  # every global name, the notebook's included
+    rebound: tuple[str, ...] = ()  # a re-form: the DDP models made again on the new group
+    stale: tuple[Stale, ...] = ()  # a re-form: what is still bound to the old group
 
 
 @dataclass(frozen=True)
@@ -394,7 +380,8 @@ class Shutdown:
 
 # ---------------------------------------------------------------- encoding
 
-# every message class above (ErrorInfo, Profile, Held and Script are parts of messages);
-# the events' classes decode too (they travel inside messages and relays' frames)
-_CODEC = Codec(sys.modules[__name__], (events,), (ErrorInfo, Profile, Held, Script, Slurm))
+# every message class above (ErrorInfo, Profile, Held, Script and Stale are parts of
+# messages); the events' and Slurm's classes decode too (they travel inside messages and
+# relays' frames)
+_CODEC = Codec(sys.modules[__name__], (events, slurm), (ErrorInfo, Profile, Held, Script, Stale))
 dumps, loads, loads_plain = _CODEC.dumps, _CODEC.loads, _CODEC.loads_plain

@@ -1,0 +1,39 @@
+"""Where a rank launched under SLURM came from, bounded: a part of its Hello
+(:class:`nbddp.wire.protocol.Hello`), which the lost-host note's resubmission recipe
+names (docs/multinode.md)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["Slurm", "slurm_of"]
+
+
+@dataclass(frozen=True)
+class Slurm:
+    """Where a rank launched under SLURM came from: the one-node resubmission recipe for its
+    host names these (docs/multinode.md). Built only by :func:`slurm_of`, which bounds them."""
+
+    job_id: str  # digits only
+    node_rank: int
+    master_addr: str  # a plain hostname or IP
+
+
+_ADDR = re.compile(r"[A-Za-z0-9][A-Za-z0-9.:-]{0,252}")
+
+
+def slurm_of(env: Mapping[str, str]) -> Slurm | None:
+    """The rank's SLURM origin from its environment, or None when any part is missing or not
+    plain (a job id of digits, a node rank 0..65535, a hostname/IP): they are shown to the user."""
+    job = env.get("SLURM_JOB_ID", "")
+    node = env.get("GROUP_RANK") or env.get("PET_NODE_RANK") or ""
+    addr = env.get("MASTER_ADDR", "")
+    if not (job.isascii() and job.isdigit() and len(job) <= 20):
+        return None
+    if not (node.isascii() and node.isdigit() and int(node) < 65536):
+        return None
+    if not _ADDR.fullmatch(addr):
+        return None
+    return Slurm(job, int(node), addr)

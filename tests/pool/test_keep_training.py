@@ -1,0 +1,173 @@
+"""Training goes on after any re-form (issue 45): the next training cell runs, and its
+losses are those of an undisturbed run from the same weights.
+
+A DDP model and its SGD optimizer (with momentum) are trained on every rank, each rank
+on data of its own. After each event (a death mid-step and between cells, a deadlock,
+an error that aborts the group, an interrupt-like collective left in flight, a resize
+4 -> 3 -> 4 -> 8), every rank holds the same weights, and the next training cell's
+losses, rank by rank and step by step, match the same steps computed here in one
+process from those weights and the optimizer's state (DDP averages the gradients: the
+mean of the ranks' losses, one model). Before re-binding, each of these cells failed
+(gloo: "Connection closed by peer") or hung (the resize) on the survivors' stale DDP.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from test_kernel import Reply, execute, one_usage_error
+
+from helpers import collect, healthy, wait_gone
+from nbddp import Pool
+from nbddp.pool.errors import NbddpError
+from nbddp.wire.stacks import rank_set
+from training import MODEL, STATE, TRAIN, expected, same_losses
+
+SIZES = [3, 8]
+
+
+def train_on(pool) -> None:
+    """Every rank holds the same weights; TRAIN runs on every rank and its losses are those
+    of an undisturbed run from them."""
+    n = pool.world_size
+    states = pool.execute(STATE)
+    for r in range(1, n):
+        for key, value in states[0][0].items():
+            assert torch.equal(states[r][0][key], value), f"rank {r}'s {key} differs"
+    got = pool.execute(TRAIN, timeout=60)
+    want = expected(states[0], n)
+    assert same_losses(got, want), (got, want)
+
+
+def _failed(pool, code: str) -> tuple[str, list[str]]:
+    """Run ``code``, which fails: (its error's message, the notes)."""
+    try:
+        pool.execute(code, timeout=60)
+    except NbddpError as exc:
+        return str(exc), list(getattr(exc, "notes", []))
+    raise AssertionError("the cell did not fail")
+
+
+@pytest.fixture(scope="module", params=SIZES, ids=[f"{n}ranks" for n in SIZES])
+def trained(request):
+    with Pool(request.param, grace=2.0, heal=["model", "opt"]) as pool:
+        pool.execute(MODEL)
+        train_on(pool)  # (the emulation itself matches an undisturbed run)
+        yield pool
+
+
+@pytest.mark.timeout(180)
+def test_a_death_mid_step_then_the_next_training_cell(trained):
+    pool = healthy(trained)
+    n = pool.world_size
+    bad = n - 2
+    kill = f"    if rank == {bad} and step == 1:\n        os.kill(os.getpid(), 9)\n"
+    code = "import os\n" + TRAIN.replace("    opt.zero_grad()\n", "    opt.zero_grad()\n" + kill)
+    message, _ = _failed(pool, code)
+    assert f"rank {bad} died (killed by SIGKILL)" in message.splitlines(), message
+    survivors = rank_set([r for r in range(n) if r != bad])
+    assert f"model: DDP on the new group ({survivors})" in message, message
+    assert f"rank {bad}: model, opt healed from rank 0" in message, message
+    train_on(pool)
+
+
+@pytest.mark.timeout(180)
+def test_a_death_between_cells_then_the_next_training_cell(trained):
+    pool = healthy(trained)
+    bad = pool.world_size - 1
+    pid = pool.pids[bad]
+    os.kill(pid, signal.SIGKILL)
+    assert wait_gone([pid]) == []
+    _, _, end = collect(pool.run("rank"))
+    said = "\n".join(end.notes)
+    assert f"rank {bad}: a new process took its place" in said, said
+    assert "model: DDP on the new group" in said, said
+    train_on(pool)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "event",
+    [
+        "if rank != 0:\n    torch.distributed.all_reduce(torch.ones(1))",  # a deadlock
+        "if rank == 1:\n    raise ValueError('bad')\ntorch.distributed.all_reduce(torch.ones(1))",
+        "if rank == 0:\n    w = torch.distributed.all_reduce(torch.ones(1), async_op=True)",
+    ],
+    ids=["deadlock", "error that aborts", "collective left in flight"],
+)
+def test_a_re_form_then_the_next_training_cell(trained, event):
+    pool = healthy(trained)
+    _, _, end = collect(pool.run(event))
+    said = "\n".join(end.notes)
+    assert "re-formed" in said, said
+    assert "model: DDP on the new group" in said, said
+    train_on(pool)
+
+
+@pytest.mark.timeout(300)
+def test_a_resize_4_3_4_8_then_the_next_training_cell():
+    with Pool(4, grace=2.0, heal=["model", "opt"]) as pool:
+        pool.execute(MODEL)
+        train_on(pool)
+        for n in (3, 4, 8):
+            old = pool.world_size
+            line = pool.resize(n).line()
+            assert "model: DDP on the new group" in line, line
+            if n > old:  # --heal: the new ranks got the model and optimizer from rank 0
+                assert "model, opt healed from rank 0" in line, line
+            train_on(pool)
+
+
+KERNEL_CHECK = (  # (no import statement: the notebook's imports are replayed on the ranks)
+    "__import__('sys').path.insert(0, {tests!r})\n_t = __import__('training')\n"
+    "print('same losses', _t.same_losses(got, _t.expected(st[0], len(got))))"
+)
+
+
+def _train_in_kernel(kc, head: str = "%%ddp --text") -> Reply:
+    """The state, then the training cell (printing each rank's losses), then the check."""
+    r = execute(kc, "%%ddp --text --out st\n" + STATE)
+    assert r.error is None, r.text
+    train = execute(kc, f"{head} --out got\n{TRAIN}", timeout=120)
+    assert train.error is None, train.text + str(train.error)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = execute(kc, KERNEL_CHECK.format(tests=tests))
+    assert "same losses True" in r.stdout, (r.text, r.error, train.text)
+    return train
+
+
+@pytest.mark.kernel
+@pytest.mark.timeout(300)
+def test_in_a_kernel_a_death_mid_step_a_resize_to_8_and_a_copy_then_training_goes_on(kernel):
+    """As a user would: 3 ranks with --heal, a rank killed mid-step, the next training
+    cell; `-n 8` (the new ranks healed); a typo; `%ddp copy` after the resize."""
+    _, kc = kernel
+    assert execute(kc, "%load_ext nbddp").error is None
+    assert execute(kc, "%ddp start -n 3 --heal model,opt").error is None
+    assert execute(kc, "%%ddp --text\n" + MODEL).error is None
+    _train_in_kernel(kc)
+    kill = "    if rank == 1 and step == 1:\n        os.kill(os.getpid(), 9)\n"
+    code = "import os\n" + TRAIN.replace("    opt.zero_grad()\n", "    opt.zero_grad()\n" + kill)
+    r = execute(kc, "%%ddp --text\n" + code, timeout=120)
+    lines = r.error["evalue"].splitlines()
+    assert "rank 1 died (killed by SIGKILL)" in lines, lines
+    assert any("model: DDP on the new group (ranks 0, 2)" in line for line in lines), lines
+    assert any(line.startswith("rank 1: model, opt healed from rank 0") for line in lines), lines
+    _train_in_kernel(kc)
+
+    grown = _train_in_kernel(kc, "%%ddp -n 8 --text")
+    assert "resized the pool 3 -> 8 ranks" in grown.text, grown.text
+    assert "ranks 3-7: model, opt healed from rank 0" in grown.text, grown.text
+    assert "model: DDP on the new group (ranks 0-2)" in grown.text, grown.text
+
+    assert "strat" in one_usage_error(execute(kc, "%ddp strat -n 4"))
+    said = one_usage_error(execute(kc, "%ddp copy model.module --from 0"))
+    assert said.startswith("not a name: 'model.module' (an attribute): copy model"), said
+    r = execute(kc, "%ddp copy model opt --from 0")
+    assert r.error is None, r.text + str(r.error)
+    assert "model wrapped again in DDP on every rank" in r.text, r.text
+    _train_in_kernel(kc)
+    execute(kc, "%ddp stop")
