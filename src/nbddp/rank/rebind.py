@@ -26,7 +26,6 @@ Only the namespace's own names are looked at, not objects inside other objects.
 
 from __future__ import annotations
 
-import gc
 import inspect
 import sys
 
@@ -105,8 +104,6 @@ def rebind(namespace: dict, groups: dict) -> Rebound:
             done.names.append(name)
         elif (found := stale_kind(obj, types)) is not None and name not in ("group", "mesh"):
             done.stale.append(P.Stale(name, *found))
-    if made:
-        gc.collect()  # the old wrappers (and their reducers) go now
     return done
 
 

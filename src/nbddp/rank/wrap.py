@@ -18,7 +18,6 @@ refused in one line (its group or hook cannot be made again here).
 
 from __future__ import annotations
 
-import gc
 import inspect
 import warnings
 
@@ -142,6 +141,5 @@ def rewrap(namespace: dict, wrapped: dict[str, dict], src: int) -> list[str]:
         module = _module_of(old)
         _sync_from(module, src, options.get("broadcast_buffers", True))
         namespace[name] = wrap(module, options)
-        del old
-    gc.collect()  # the old wrappers (and their reducers) go now
+        del old  # (its hooks removed, the old wrapper and its reducer go with it: no cycle)
     return sorted(wrapped)
