@@ -100,7 +100,7 @@ def test_a_refused_change_leaves_the_pool_as_it_was(kc, held, case, tmp_path):
 
 
 def test_a_resize_the_mesh_cannot_take_is_refused_and_keeps_the_pool(kc, held):
-    assert execute(kc, "%ddp start -n 2 --mesh dp=2").error is None
+    assert execute(kc, "%ddp start -n 2 --mesh dp=2 --force").error is None
     assert execute(kc, "%%ddp --quiet\nkept = rank + 5").error is None
     before = snapshot(kc)
     r = execute(kc, "%%ddp -n 3\nprint(rank)")
@@ -128,7 +128,7 @@ def test_a_new_pool_that_fails_to_start_says_what_the_old_one_held(kc, held):
     # every rank of the new pool fails as it starts (its threads setting is not a number)
     assert execute(kc, "import os\nos.environ['NBDDP_THREADS'] = 'x'").error is None
     try:
-        r = execute(kc, "%ddp start --seed 1")
+        r = execute(kc, "%ddp start --seed 1 --force")
     finally:
         execute(kc, "del os.environ['NBDDP_THREADS']")
     said = r.text.split("UsageError: ", 1)[-1].splitlines()[0]

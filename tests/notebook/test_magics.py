@@ -107,8 +107,8 @@ def test_a_death_that_ddp_status_reads_is_replaced_by_the_next_cell(shell, run, 
 @pytest.mark.timeout(120)
 def test_options_that_restart_a_pool_whose_death_status_read_say_what_is_lost(shell, run):
     """The same pool, a rank dead and read by `%ddp status`, then `%ddp start --seed 1`
-    (new options: a new pool): the others' state is said lost (it was not: the pool
-    read as not started, so nothing was said)."""
+    (new options: new processes): refused, naming the others' state (it was not: the pool
+    read as not started, so nothing was said); with --force, a new pool that says it."""
     run("%%ddp -n 3 --text\nx = rank * 10")
     pool = magics(shell).pool
     os.kill(pool.roster.pids()[2], signal.SIGKILL)
@@ -116,6 +116,11 @@ def test_options_that_restart_a_pool_whose_death_status_read_say_what_is_lost(sh
     time.sleep(0.2)
     run("%ddp status")
     result, out = run("%ddp start -n 3 --seed 1")
+    assert isinstance(result.error_in_exec, UsageError), out
+    assert "--seed needs new processes for every rank: every rank's state would be lost" in out
+    assert "held x" in out, out
+    assert "`%ddp start -n 3 --seed 1 --force`" in out, out
+    result, out = run("%ddp start -n 3 --seed 1 --force")
     assert result.success, out
     assert "every rank's state is lost" in out, out
     assert "x" in out.split("every rank's state is lost", 1)[1].splitlines()[0], out
@@ -267,7 +272,7 @@ def test_sys_exit_in_a_cell_is_an_error_and_keeps_the_rank(shell, run):
 
 
 def test_start_with_debug_turns_on_torchs_collective_checks(shell, run):
-    result, out = run("%ddp start -n 2 --debug")
+    result, out = run("%ddp start -n 2 --debug --force")
     assert result.success
     assert magics(shell).pool.debug
     code = "%%ddp\nimport torch.distributed as dist\n"
@@ -275,7 +280,7 @@ def test_start_with_debug_turns_on_torchs_collective_checks(shell, run):
     result, out = run(code)
     assert not result.success
     assert "Detected mismatch between collectives" in out
-    run("%ddp start -n 2")
+    run("%ddp start -n 2 --force")
     assert not magics(shell).pool.debug
 
 
@@ -293,7 +298,7 @@ def test_push_and_pull(shell, run):
 
 
 def test_start_with_options_and_unload_stops_everything(shell, run):
-    result, out = run("%ddp start -n 2 --start-method spawn --timeout 60")
+    result, out = run("%ddp start -n 2 --start-method spawn --timeout 60 --force")
     assert result.success
     assert "started 2 ranks" in out
     pool = magics(shell).pool

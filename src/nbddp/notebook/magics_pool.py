@@ -19,6 +19,9 @@ from .session import default_world_size, running, say, what_it_held
 
 __all__ = ["PoolCommands"]
 
+_KEPT = "every rank kept its state"
+_NEED = (" needs new processes for every rank", " need new processes for every rank")
+
 
 def _heal(text: str | None, on_death: str) -> list[str] | None:
     """``--heal model,opt``: the names, checked before any pool is touched."""
@@ -38,7 +41,9 @@ class PoolCommands:
 
     def _start(self, rest: str) -> None:
         """Start the pool; with one running: a no-op with the same options, a resize with
-        only another -n, else a restart. Everything is checked before it is touched."""
+        only another -n, in place for what a live pool can change (--heal, --grace, ...),
+        and for what needs new processes a refusal while the pool holds state, unless
+        --force. Everything is checked before it is touched."""
         args = parse_argstring(ddp_start, rest)
         if args.tee and not args.log_dir:
             raise UsageError("--tee needs --log-dir: the other ranks' output would go nowhere")
@@ -68,20 +73,42 @@ class PoolCommands:
             on_death=args.on_death,
             heal=heal,
         )
+        forced = f"%ddp start {rest.strip()}" + ("" if args.force else " --force")
+        kernel_side = self._kernel_side(args.no_auto, auto_limit, args.auto_limit, tee)
         if args.detached:
-            self._start_detached(args, options)
+            self._start_detached(args, options, forced)
         elif self.session.unchanged(args.n, **options):
             n = self.pool.world_size
-            say(
-                f"the pool already runs with these options ({n} rank{'s' * (n > 1)}); "
-                "%ddp restart starts it anew"
-            )
+            if kernel_side:
+                say(f"applied to the running pool: {' '.join(kernel_side)}; {_KEPT}")
+            else:
+                say(
+                    f"the pool already runs with these options ({n} rank{'s' * (n > 1)}); "
+                    "%ddp restart starts it anew"
+                )
         else:
-            self._start_local(args.n, options)
+            self._start_local(args.n, options, None if args.force else forced, kernel_side)
         self.capture.on, self.capture.limit, self.tee = not args.no_auto, auto_limit, tee
 
-    def _start_local(self, n: int | None, options: dict) -> None:
-        """``%ddp start`` without --detached: checked, then a start, resize or restart."""
+    def _kernel_side(self, no_auto: bool, limit: int, limit_text: str, tee) -> list[str]:
+        """The notebook's own options that change for a running local pool, as they would be
+        said (they never touch the ranks)."""
+        pool = self.pool
+        if pool is None or not running(pool) or pool.attached or getattr(pool, "detached", False):
+            return []
+        said = []
+        if self.capture.on == no_auto:
+            said.append("--no-auto" if no_auto else "automatic capture on")
+        if self.capture.limit != limit:
+            said.append(f"--auto-limit {limit_text}")
+        if self.tee != tee:
+            said.append(f"--tee {','.join(map(str, tee))}" if tee else "no --tee")
+        return said
+
+    def _start_local(self, n: int | None, options: dict, forced: str | None, kernel_side) -> None:
+        """``%ddp start`` without --detached: checked, then a start, a change in place, a
+        resize or a restart (refused while the pool holds state, unless ``forced`` is None:
+        --force was given)."""
         pool = self.pool
         if pool is not None and (
             pool.attached or getattr(pool, "detached", False) or pool.needs_restart
@@ -89,14 +116,29 @@ class PoolCommands:
             size = n or default_world_size()
             self.session.check(size, **options)
             self.session.let_go()
+        elif running(pool):
+            fresh, in_place = self.session.changes(**options)
+            self.session.check(n or pool.world_size, **options)
+            if fresh:
+                if forced is not None:
+                    self.session.refuse_restart(", ".join(fresh) + _NEED[len(fresh) > 1], forced)
+            elif in_place or kernel_side:
+                self.session.apply(**options)
+                say(f"applied to the running pool: {' '.join(in_place + kernel_side)}; {_KEPT}")
         self.session.want_pool(n, exact=True, **options)
 
-    def _start_detached(self, args, options: dict) -> None:
-        """``%ddp start --detached NAME``: the options and the name checked, then the pool
-        this kernel had is let go, then the detached one started."""
+    def _start_detached(self, args, options: dict, forced: str) -> None:
+        """``%ddp start --detached NAME``: the options and the name checked, and a local
+        pool that holds state refused unless --force, then the pool this kernel had is let
+        go, then the detached one started."""
         n = args.n or default_world_size()
         self.session.check(n, **options)
         detaching.check_name(args.detached)
+        if not args.force:
+            held = self.pool
+            why = f"--detached {args.detached} starts new processes and stops this kernel's pool"
+            if held is not None and not held.attached:
+                self.session.refuse_restart(why, forced)
         lost = self.session.let_go()
         try:
             pool = detaching.start(args.detached, n, args.idle_timeout, options)
@@ -131,6 +173,11 @@ class PoolCommands:
 
     def _restart(self, rest: str) -> None:
         """New ranks with the same options (every rank's state is gone)."""
+        if rest.strip():  # (other options: %ddp start's refusal names this way)
+            raise UsageError(
+                "%ddp restart takes no options: it keeps the pool's; "
+                "`%ddp start OPTIONS --force` restarts it with others"
+            )
         if self.pool is None:
             raise UsageError("no pool to restart: start one with %ddp start or %%ddp")
         if self.pool.attached:

@@ -165,8 +165,16 @@ def ddp_cell(line, cell):
     type=_threads,
     help="intra-op threads per rank: N, or auto (cores / ranks); default as torchrun (1)",
 )
+@argument(
+    "--force",
+    action="store_true",
+    help="restart a running pool whose ranks hold state when an option needs new processes "
+    "(--backend, --seed, --detached, ...): without it that is refused",
+)
 def ddp_start(line):
-    """Start the pool (restarting it with these options if one runs)."""
+    """Start the pool; with one running, change what a live pool can (--heal, --grace,
+    --on-death, --threads, capture) in place, and refuse what needs new processes while its
+    ranks hold state (--force restarts it)."""
 
 
 @magic_arguments()

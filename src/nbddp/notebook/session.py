@@ -14,7 +14,7 @@ import time
 import torch
 
 from ..dashboard.metric_store import MetricStore
-from ..pool import hosts_lost, resizing
+from ..pool import hosts_lost, inplace, resizing
 from ..pool.errors import NbddpError, PoolStartError
 from ..pool.facade import Pool
 from ..pool.layout import check_pool
@@ -141,6 +141,39 @@ class Session:
         same = effective(options) == self.options
         return same and n in (None, pool.world_size)
 
+    def changes(self, **options) -> tuple[list[str], list[str]]:
+        """What ``%ddp start`` with ``options`` (unset: the defaults) changes on the running
+        pool: (the options needing new processes for every rank, as flags; those it takes
+        in place, as they would be said)."""
+        new = effective(options)
+        fresh = inplace.needs_new(self.options, new)
+        moved = [k for k in inplace.IN_PLACE if new.get(k) != self.options.get(k)]
+        return [_flag(k) for k in fresh], [_said_as(k, new.get(k)) for k in moved]
+
+    def holds_state(self) -> bool:
+        """The pool runs here and a rank holds names of its own (a restart would lose them)."""
+        pool = self.pool
+        if pool is None or getattr(pool, "detached", False) or not running(pool):
+            return False
+        return any(resizing.held(pool).values())
+
+    def refuse_restart(self, why: str, forced: str) -> None:
+        """Refuse (:class:`Refused`) to let a pool that holds state go: one line with ``why``
+        (what needs new processes), what would be lost, and ``forced``, the command that
+        does it anyway."""
+        if self.holds_state():
+            raise Refused(
+                f"{why}: every rank's state would be lost ({what_it_held(self.pool)}); "
+                f"the pool is as it was: `{forced}` does it anyway"
+            )
+
+    def apply(self, **options) -> None:
+        """The running local pool takes ``options`` (unset: the defaults), which
+        :meth:`changes` found it can take in place: its processes and namespaces stay."""
+        new = effective(options)
+        inplace.apply(self.pool, **{k: new.get(k, _DEFAULTS.get(k)) for k in inplace.IN_PLACE})
+        self.options = new
+
     @staticmethod
     def check(n: int, **options) -> None:
         """Refuse (:class:`Refused`) a pool of ``n`` ranks with ``options``: before the
@@ -232,6 +265,21 @@ def effective(options: dict) -> dict:
 def merged(old: dict, new: dict) -> dict:
     """``new`` over ``old``, where ``new`` sets them (None: as before), made effective."""
     return effective({**old, **{k: v for k, v in new.items() if v is not None}})
+
+
+def _flag(option: str) -> str:
+    """``pg_timeout`` -> ``--timeout``: the option as %ddp start takes it."""
+    return "--timeout" if option == "pg_timeout" else "--" + option.replace("_", "-")
+
+
+def _said_as(option: str, value) -> str:
+    """``--heal model,opt``, ``--grace 5``, ``no --threads``: an in-place option's new value."""
+    value = _DEFAULTS.get(option) if value is None else value
+    if value is None or value == ():
+        return f"no {_flag(option)}"
+    if isinstance(value, (list, tuple)):
+        value = ",".join(value)
+    return f"{_flag(option)} {value:g}" if isinstance(value, float) else f"{_flag(option)} {value}"
 
 
 def what_it_held(pool) -> str:

@@ -26,6 +26,7 @@ __all__ = [
     "parse_groups",
     "parse_mesh",
     "seed_everything",
+    "set_threads",
     "threads_for",
 ]
 
@@ -233,3 +234,21 @@ def threads_for(local_world_size: int, asked: str | None, user_omp: str | None) 
     if user_omp:  # the fork server read its own environment: apply the rank's
         return int(user_omp) if user_omp.strip().isdigit() else None
     return 1 if local_world_size > 1 else None
+
+
+def set_threads(asked: str | None) -> int | None:
+    """``%ddp start --threads`` on a running pool (:mod:`nbddp.pool.inplace` calls it on
+    every rank): this rank's intra-op threads as ``asked`` now, and at a resize (the worker
+    reads NBDDP_THREADS again). None: torchrun's default; what torch was left with is
+    returned (None: left as torch had them)."""
+    env = os.environ
+    if asked:
+        env["NBDDP_THREADS"] = str(asked)
+    else:
+        env.pop("NBDDP_THREADS", None)
+    local = int(env.get("LOCAL_WORLD_SIZE") or env.get("WORLD_SIZE") or 1)
+    n = threads_for(local, env.get("NBDDP_THREADS"), env.get("NBDDP_USER_OMP"))
+    if n is not None:
+        env["OMP_NUM_THREADS"] = str(n)
+        torch.set_num_threads(n)
+    return n

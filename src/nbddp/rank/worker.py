@@ -76,7 +76,8 @@ class Worker:
         self.group = GroupKeeper(self.rank, self.world_size, self.send, self.control.inbox)
         self.cells = CellRunner(self.rank, self.send, self.group, relayed)
         self.debug: debugger.Remote | None = None
-        self.user_omp = env.get("OMP_NUM_THREADS")  # the user's own, kept for a resize
+        # the user's own, kept for a resize and for %ddp start --threads (ddp.set_threads)
+        env.setdefault("NBDDP_USER_OMP", env.get("OMP_NUM_THREADS") or "")
         self.launcher_stderr = os.dup(2)  # (torchrun's log: fd 2 goes to the notebook)
 
     def serve(self, renewed: bool = False) -> int:
@@ -219,7 +220,8 @@ class Worker:
 
     def _apply_threads(self) -> None:
         """Intra-op threads as torchrun sets them (torch was imported before the env var)."""
-        n = threads_for(self.local_world_size, os.environ.get("NBDDP_THREADS"), self.user_omp)
+        env = os.environ
+        n = threads_for(self.local_world_size, env.get("NBDDP_THREADS"), env.get("NBDDP_USER_OMP"))
         if n is not None:
             os.environ["OMP_NUM_THREADS"] = str(n)
             torch.set_num_threads(n)
