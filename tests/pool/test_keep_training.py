@@ -171,3 +171,44 @@ def test_in_a_kernel_a_death_mid_step_a_resize_to_8_and_a_copy_then_training_goe
     assert "model wrapped again in DDP on every rank" in r.text, r.text
     _train_in_kernel(kc)
     execute(kc, "%ddp stop")
+
+
+FSDP2 = """
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+dp = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+torch.manual_seed(0)
+fmodel = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+_ = fully_shard(fmodel, mesh=dp)
+"""
+FSDP_STEP = "fmodel(torch.ones(2, 16)).sum().backward()"
+
+
+@pytest.mark.timeout(180)
+def test_sharded_objects_are_named_after_a_re_form_and_a_death_and_fail_at_once():
+    """An FSDP2 model and its mesh cannot be bound again: each re-form names them with what
+    mends them; after a death the model is said incomplete; using it fails at once (the
+    old group's sockets are shut down), never waits."""
+    with Pool(3, grace=1.0) as pool:
+        pool.execute(FSDP2)
+        pool.execute(FSDP_STEP)
+        _, _, end = collect(pool.run("if rank == 1:\n    raise ValueError('x')\n" + FSDP_STEP))
+        said = "\n".join(end.notes)
+        assert (
+            "still bound to the old group: dp on every rank (a DeviceMesh: make it again in a "
+            "cell); fmodel on every rank (a module sharded with fully_shard, on the old group's "
+            "mesh: shard it again, or load a checkpoint)"
+        ) in said, said
+        pid = pool.pids[1]
+        os.kill(pid, signal.SIGKILL)
+        assert wait_gone([pid]) == []
+        _, _, end = collect(pool.run("rank"))
+        said = "\n".join(end.notes)
+        assert (
+            "fmodel on ranks 0, 2 (a module sharded with fully_shard, incomplete: the dead "
+            "rank's shard died with it: load a checkpoint (torch.distributed.checkpoint) on "
+            "every rank, or build it again)"
+        ) in said, said
+        _, _, end = collect(pool.run(FSDP_STEP, ranks=[0, 2], timeout=60))
+        assert end.interrupted is None, end  # failed at once, not stopped by the timeout
+        assert set(end.errors) == {0, 2}, end
