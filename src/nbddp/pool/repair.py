@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..rank.gpus import pool_plan
 from ..wire import protocol as P
-from . import healing, hosts_lost, recovery
+from . import healing, hosts_lost, recovery, rerun
 from .errors import PoolClosedError, PoolStartError
 from .hub import Gone
 from .processes import rank_env
@@ -200,6 +200,7 @@ class PoolRepair:
         fresh = {r: frozenset(h.name for h in table[r].held) | table[r].names for r in had}
         healed = healing.heal(self, sorted(had))
         self.notes += recovery.replaced_notes(self.facts(), had, took, fresh, healed, code)
+        self.notes += rerun.replay(self, sorted(had), healed)  # what the new ranks lack
         for rank in sorted(had):
             yield P.RankState(rank, "replaced")
 

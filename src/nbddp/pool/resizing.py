@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from ..rank.gpus import gpu_notes
 from ..wire import protocol as P
 from ..wire.stacks import rank_set
+from . import rerun
 from .errors import NbddpError, PoolStartError
 from .layout import check_backend, check_layout, check_log_dir
 from .processes import enough_open_files
@@ -138,6 +139,7 @@ def resize(pool, n: int) -> Resized:
         pool.notes += gpu_notes(pool)  # ranks that now share a GPU: said once
     if new:
         pool.generation += 1  # fresh namespaces: the notebook's imports are replayed
+        pool.notes += rerun.replay(pool, list(new))  # the cells they can re-run, alone
     return Resized(old, n, time.monotonic() - t0, stopped)
 
 

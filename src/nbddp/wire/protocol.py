@@ -92,7 +92,7 @@ __all__ = [
     *events.__all__,
 ]
 
-PROTOCOL_VERSION = 9  # 7: Reform: world size, Held, Run.versions; 8: Stacks.groups; 9: Done.places
+PROTOCOL_VERSION = 10  # 7: Reform.world_size, Held, Run.versions; 9: Done.places; 10: .issued
 
 
 # ---------------------------------------------------------------- data
@@ -121,8 +121,7 @@ class Profile:
 
 @dataclass(frozen=True)
 class Held:
-    """One global name of a rank, as the notes on its death list it: what it is and how big
-    (measured without pickling: see nbddp.rank.held)."""
+    """A rank's global name as its death note lists it (sized without pickling: rank.held)."""
 
     name: str
     kind: str  # "module" | "optimizer" | "tensor" | "array" | "object" | ... | "import"
@@ -238,6 +237,7 @@ class Done:
     needs_group: bool = False  # the cell destroyed the default group: re-form it
     profile: Profile | None = None  # with Run.profile
     places: tuple = ()  # operations issued on each group by the cell's end (worker_seq)
+    issued: bool = False  # the cell's count moved on some group, or a group came or went
 
 
 @dataclass(frozen=True)
