@@ -57,3 +57,5 @@ _.experiment
 _.log_hyperparams
 _.requires_logging_directory
 _.main_process_only
+# ast.NodeVisitor calls visit_<node class> (nbddp.pool.rerun)
+_.visit_MatchStar

@@ -233,6 +233,7 @@ class DDPMagics(PoolCommands, Magics):
             display_ranks=display_ranks,
             tick=TICK,
             profile=args.profile,
+            label=f"In [{self.shell.execution_count}]",  # (a new rank's re-runs say it)
         )
         sink = self._sink(pool, ranks, text=args.text, quiet=args.quiet, fold=not args.no_fold)
         failed = True

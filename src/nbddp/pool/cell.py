@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from ..wire import protocol as P
 from ..wire import stacks as S
+from . import rerun
 from .deadlock import world_count
 from .errors import root_causes
 from .hub import Closed, Dones, Gone, Mark, Msg, Text
@@ -92,6 +93,7 @@ class Cell:
         self.generation = getattr(pool, "generation", 0)  # (a restart since: ranks gone)
         self.dropped = False  # finish() let it go: a close is no consumer giving up
         self.outer: Cell | None = None  # the cell this one runs inside (a heal's copy)
+        self.label = ""  # In [N] (nbddp.pool.rerun keeps the cells a new rank can re-run)
         self._counts: dict[int, int] = {}  # each rank's last collective count shown
         self._events = self._run()
 
@@ -206,6 +208,7 @@ class Cell:
             places = sup.places_at_interrupt.items()
             pool.last_counts = {r: world_count((None, g)) for r, g in places}
         end = out.end(sup, notes + pool.take_notes(), kept=not pool.needs_restart)
+        rerun.record(pool, self, end)
         if not end.interrupted:  # a rank a peer's failure broke shows as freed, not red
             _, consequences = root_causes(failures_of(end))
             for f in consequences:

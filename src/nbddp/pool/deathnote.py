@@ -5,7 +5,8 @@ on the rank without pickling). The note names modules first, then optimizers,
 then the largest tensors and arrays, then the rest by kind and size (never
 alphabetically: ``model`` and ``opt`` must not hide in "and 5 more"); it says
 which names the notebook had sent (they come again with ``--need`` or automatic
-capture), which a survivor healed (``--heal``), and which are gone.
+capture), which a survivor healed (``--heal``), and which are gone. The lines on what a
+new rank re-ran (:mod:`nbddp.pool.rerun`) and what it still lacks are worded here too.
 """
 
 from __future__ import annotations
@@ -14,8 +15,19 @@ import re
 from dataclasses import dataclass
 
 from ..wire import protocol as P
+from ..wire.stacks import rank_set
 
-__all__ = ["Healed", "healed_words", "killer_hint", "ordered", "replaced_note"]
+__all__ = [
+    "Healed",
+    "healed_words",
+    "killer_hint",
+    "not_reran",
+    "ordered",
+    "replaced_note",
+    "reran",
+    "rerun_failed",
+    "still_lacks",
+]
 
 NAMES_SAID = 12  # the names a dead rank held, said in full up to this many
 # modules, optimizers, tensors and arrays by size; then data, functions, classes, the rest
@@ -114,3 +126,41 @@ def replaced_note(rank: int, dead_held, fresh: frozenset[str], healed: Healed | 
             f"a cell that reads {them} gets the notebook's again, `%ddp copy` a survivor's"
         )
     return lines
+
+
+# ------------------------------------------------------------ re-runs (nbddp.pool.rerun)
+
+
+def reran(ranks, labels, names) -> str:
+    """``rank 1 re-ran In [3], In [5]: Xr, yr, loss_fn``."""
+    made = f": {_names(names)}" if names else ""
+    return f"{rank_set(ranks)} re-ran {', '.join(labels)}{made}"
+
+
+def not_reran(ranks, label: str, touched) -> str:
+    """A cell that would reset what ``--heal`` copies."""
+    them = _names(sorted(touched))
+    return (
+        f"{rank_set(ranks)} did not re-run {label}: it touches {them}, which --heal names "
+        "(never made again on a new rank)"
+    )
+
+
+def rerun_failed(ranks, label: str, how: str) -> str:
+    after = "the cells after it were not re-run"
+    return f"{rank_set(ranks)}: re-running {label} failed ({how}); {after}"
+
+
+def still_lacks(rank: int, names, src: int, made: list[tuple[str, str]]) -> str:
+    """What a new rank lacks that a survivor has (``made``: the kept cells that made it,
+    and why each was not re-run), and the command that copies it."""
+    them = "them" if len(names) > 1 else "it"
+    whys: dict[str, list[str]] = {}
+    for label, why in made:
+        whys.setdefault(why, []).append(label)
+    by = [", ".join(labels) + (f" ({why})" if why else "") for why, labels in whys.items()]
+    made_by = f"; not re-run: {'; '.join(by)}" if by else ""
+    return (
+        f"rank {rank} still lacks {_names(names)} (rank {src} has {them}{made_by}): "
+        f"`%ddp copy {' '.join(names)} --from {src} --to {rank}`"
+    )

@@ -38,6 +38,7 @@ from .outcome import failures_of, raise_for_end
 from .processes import RankProcesses
 from .queries import RankStatus
 from .repair import PoolRepair
+from .rerun import History
 from .roster import Roster
 
 __all__ = ["Pool", "RankStatus", "failures_of", "raise_for_end"]
@@ -77,6 +78,7 @@ class Pool(PoolLife, PoolRepair, PoolCalls):
         threads: str | int | None = None,
         on_death: str = "replace",
         heal: list[str] | str | None = None,
+        rerun: bool = True,
     ) -> None:
         check_pool(
             n,
@@ -109,6 +111,8 @@ class Pool(PoolLife, PoolRepair, PoolCalls):
         self.extra_env = dict(env or {})
         self.on_death = on_death  # "replace": a dead rank gets a new process; "restart": all
         self.heal = check_heal(heal, on_death)  # names a new rank gets from a survivor
+        self.rerun = bool(rerun)  # a new rank re-runs the cells it can (nbddp.pool.rerun)
+        self.history = History()  # ... of those that ran cleanly on every rank
         # attached pools: ranks started elsewhere (torchrun) connect over TCP with ``token``
         self.listen_on, self.token, self.tls = listen, token or b"", tls  # tls: Tls
         # new -> starting -> ready (cells run) -> lost (a death: the next cell starts anew)
@@ -232,6 +236,7 @@ class Pool(PoolLife, PoolRepair, PoolCalls):
         post_mortem: bool = False,
         profile: str | None = None,
         raw_values: bool = False,
+        label: str = "",
     ) -> Iterator[object]:
         """Run ``code`` on ``ranks`` (all by default); a :class:`~nbddp.pool.cell.Cell`: its
         events, ending with ``CellEnd``.
@@ -251,6 +256,7 @@ class Pool(PoolLife, PoolRepair, PoolCalls):
         ``profile`` ("torch" or "python"), the cell runs under that profiler and
         ``CellEnd.profiles`` holds each rank's (see :mod:`nbddp.rank.profiling`). With
         ``raw_values``, ``CellEnd.values`` holds each value unloaded (``RawValue``).
+        ``label`` names the cell in the notes (the notebook's ``In [N]``; else ``cell N``).
 
         A rank in pdb (``breakpoint()``) yields ``RankDebug`` each time it wants a
         line; answer with :meth:`debug_reply`.
@@ -287,6 +293,7 @@ class Pool(PoolLife, PoolRepair, PoolCalls):
         shipments = [s for s in (needs, auto) if s]
         self.last_cell = Cell(self, cell, runs, timeout, tick, shipments, raw_values)
         self.last_cell.outer = previous if nested else None
+        self.last_cell.label = label
         return self.last_cell
 
     def interrupt(self) -> None:
@@ -317,7 +324,8 @@ class Pool(PoolLife, PoolRepair, PoolCalls):
 
     def copy(self, names: list[str], src: int, dst: list[int] | None = None) -> copying.Copied:
         """Bind rank ``src``'s ``names`` on ``dst`` (all others): :mod:`nbddp.pool.copying`."""
-        return copying.copy(self, names, src, dst)
+        with self.history.pause():  # (its cells are the pool's own: never re-run)
+            return copying.copy(self, names, src, dst)
 
     def resize(self, n: int) -> resizing.Resized:
         """``n`` ranks: those that stay keep their namespaces, new ones start fresh, the

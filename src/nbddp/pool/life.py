@@ -65,6 +65,7 @@ class PoolLife:
                     self.roster.add(rank, pid)
             self.handshake(self.start_timeout)
             self.generation = secrets.randbits(48) << 16
+            self.history.clear()  # every namespace is new: no cell of theirs to re-run
             self.notes += gpu_notes(self)  # ranks that share a GPU: said once
             self.state = "ready"
         except BaseException:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..rank.gpus import pool_plan
 from ..wire import protocol as P
-from . import healing, hosts_lost, rebinding, recovery
+from . import healing, hosts_lost, rebinding, recovery, rerun
 from .errors import PoolClosedError, PoolStartError
 from .hub import Gone
 from .processes import rank_env
@@ -203,6 +203,7 @@ class PoolRepair:
         healed = healing.heal(self, sorted(had))
         facts = self.facts()
         self.notes += recovery.replaced_notes(facts, had, took, fresh, healed, code, bound)
+        self.notes += rerun.replay(self, sorted(had), healed)  # what the new ranks lack
         for rank in sorted(had):
             yield P.RankState(rank, "replaced")
 

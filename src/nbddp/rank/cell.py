@@ -107,6 +107,7 @@ class CellRunner:
         self.failed: types.TracebackType | None = None  # where the last failed cell raised
         self.failed_oom = False  # ... and it ran out of memory (its frames were let go)
         self.namespace: dict = {}
+        self.places_before: tuple = ()  # each group's count as the running cell started
         self.signal_main: Callable[[], None] = _sigint_self  # raises KeyboardInterrupt there
 
     def make_namespace(self, ctx: DDPContext) -> None:
@@ -172,6 +173,7 @@ class CellRunner:
         rich.set_displaying(msg.display)
         metrics.new_cell()
         self.cell, self.running = msg.cell, True
+        self.places_before = self.group.positions()  # (did the cell issue a collective?)
         try:
             out = self._execute(msg)
         finally:
@@ -195,12 +197,14 @@ class CellRunner:
         self._end_streams(msg.cell)
         done = self._done(msg, out.status, out.value, out.error)
         lost = not dist.is_initialized()  # the cell destroyed it: the pool forms a new one
+        places = self.group.positions()  # the pool checks that the ranks are in step
         done = dataclasses.replace(
             done,
             freed=freed,
             needs_group=lost,
             profile=out.profile,
-            places=self.group.positions(),  # the pool checks that the ranks are in step
+            places=places,
+            issued=lost or places != self.places_before,  # (cells without: re-run on a new rank)
         )
         self.send(dataclasses.replace(done, **self.changed_names()))
 

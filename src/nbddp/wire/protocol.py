@@ -93,8 +93,7 @@ __all__ = [
     *events.__all__,
 ]
 
-PROTOCOL_VERSION = 10  # 7: Reform: world size, Held, Run.versions; 8: Stacks.groups; 9: Done.places
-# 10: Ready.rebound, Ready.stale
+PROTOCOL_VERSION = 10  # 9: Done.places; 10: Done.issued, Ready.rebound, Ready.stale
 
 
 # ---------------------------------------------------------------- data
@@ -123,8 +122,7 @@ class Profile:
 
 @dataclass(frozen=True)
 class Held:
-    """One global name of a rank, as the notes on its death list it: what it is and how big
-    (measured without pickling: see nbddp.rank.held)."""
+    """A rank's global name as its death note lists it (sized without pickling: rank.held)."""
 
     name: str
     kind: str  # "module" | "optimizer" | "tensor" | "array" | "object" | ... | "import"
@@ -224,6 +222,7 @@ class Done:
     needs_group: bool = False  # the cell destroyed the default group: re-form it
     profile: Profile | None = None  # with Run.profile
     places: tuple = ()  # operations issued on each group by the cell's end (worker_seq)
+    issued: bool = False  # the cell's count moved on some group, or a group came or went
 
 
 @dataclass(frozen=True)
