@@ -43,10 +43,15 @@ def pytest_unconfigure(config) -> None:
 
 def pytest_collection_modifyitems(config, items) -> None:
     """cuda tests last; in pytest-xdist's workers, the modules in their order
-    (tests/scheduling.py). A run without workers keeps the files' order."""
+    (tests/scheduling.py). A run without workers keeps the files' order. ``slow`` tests
+    are skipped unless ``-m`` names them."""
     if hasattr(config, "workerinput"):
         items[:] = in_worker_order(items)
     items[:] = cuda_last(items)
+    if "slow" not in (config.option.markexpr or ""):  # many runs of a racy case: -m slow
+        for item in items:
+            if item.get_closest_marker("slow"):
+                item.add_marker(pytest.mark.skip(reason="slow: run with -m slow"))
 
 
 @pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist's: not called without it)

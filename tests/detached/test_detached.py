@@ -463,13 +463,15 @@ def test_a_rank_killed_is_replaced_and_the_survivors_keep_their_state(detached):
     n = pool.world_size
     bad = n - 2 if n > 2 else 0
     pool.execute("import torch.distributed as dist\nkept = rank + 100")
-    pids = list(pool.pids)
+    pids, spaces = list(pool.pids), dict(pool.namespaces)
     code = (
         HEAD + f"import os, signal\nif rank == {bad}:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
         "dist.all_reduce(t)"
     )
     _text, seen, end = collect(pool.run(code))
     detached.family.record()  # the new rank's process
+    pool.ready()  # (its state, as of now: only the new rank's namespace is new)
+    assert [r for r in range(n) if pool.namespaces[r] != spaces[r]] == [bad]
     failed = failure(end)
     lines = str(failed).splitlines()
     assert lines[0] == f"rank {bad} died (killed by SIGKILL)", lines

@@ -3,6 +3,7 @@ and the choice of display, in milliseconds, no process started."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -13,6 +14,8 @@ from nbddp import PoolClosedError, PoolStartError
 from nbddp.notebook.magics import _MAGICS, TICK
 from nbddp.wire import payload
 from nbddp.wire import protocol as P
+
+_SPACES = itertools.count(1)  # Pool.namespaces' numbers
 
 
 class FakePool:
@@ -26,6 +29,7 @@ class FakePool:
         self.devices = ["cpu"] * world_size
         self.backend_in_use = "gloo"
         self.shm_folder = None  # shipments inline
+        self.namespaces = {r: next(_SPACES) for r in range(world_size)}  # (a new pool's)
         self.on_ranks = frozenset(on_ranks)
         self.printed = printed
         self.calls: list[tuple[str, dict]] = []
@@ -102,6 +106,28 @@ def test_needed_names_go_and_automatic_capture_takes_what_only_the_notebook_has(
     assert "shipped a" not in out  # --need is not announced as automatic
     assert "shipped b" in out
     assert "replayed 1 import" in out
+
+
+def test_imports_go_only_to_a_rank_whose_namespace_is_new(shell, fake, capsys):
+    """Rank 1 replaced (its namespace new): it gets every import, rank 0 only the one
+    it has not run; a survivor's names bound by an import are never touched again."""
+    shell.run_cell("import math\nimport json")
+    _, out = cell(shell, capsys, "")
+    assert fake.calls[-1][1]["imports"] == "import math\nimport json"
+    assert "nbddp: replayed 2 imports\n" in out
+    fake.namespaces = {**fake.namespaces, 1: next(_SPACES)}
+    shell.run_cell("import os")
+    _, out = cell(shell, capsys, "")
+    every = "import math\nimport json\nimport os"
+    assert fake.calls[-1][1]["imports"] == {0: "import os", 1: every}
+    assert "nbddp: replayed 3 imports on rank 1 (new), 1 import on rank 0\n" in out
+    fake.namespaces = {**fake.namespaces, 1: next(_SPACES)}
+    _, out = cell(shell, capsys, "--imports 'import sys'")
+    assert fake.calls[-1][1]["imports"] == {0: "import sys", 1: every + "\nimport sys"}
+    assert "nbddp: replayed 3 imports on rank 1 (new)\n" in out
+    _, out = cell(shell, capsys, "")
+    assert fake.calls[-1][1]["imports"] == ""
+    assert "replayed" not in out
 
 
 def test_no_auto_ships_only_what_is_named(shell, fake, capsys):

@@ -9,6 +9,7 @@ from nbddp.pool.errors import (
     RankFailed,
     describe_exit,
     root_causes,
+    transport_error,
 )
 from nbddp.pool.facade import raise_for_end
 from nbddp.wire import protocol as P
@@ -26,15 +27,63 @@ def test_exit_descriptions_name_signals():
 
 def test_cell_failed_names_every_rank_first_failure_first():
     tb = 'Traceback (most recent call last):\n  File "<ddp-cell-1>", line 2\nZeroDivisionError: x\n'
-    err = CellFailed([RankFailed(1, "ZeroDivisionError", "division by zero", tb), RankDied(0, -9)])
+    err = CellFailed(
+        [
+            RankFailed(1, "ZeroDivisionError", "division by zero", tb, when=1.0),
+            RankFailed(0, "KeyError", "'k'", "tb", when=2.0),
+        ]
+    )
     assert str(err).splitlines() == [
         "rank 1: ZeroDivisionError: division by zero",
-        "rank 0 died (killed by SIGKILL)",
+        "rank 0: KeyError: 'k'",
     ]
     rendered = err._render_traceback_()
     assert rendered[0] == "--- rank 1 ---"
     assert '  File "<ddp-cell-1>", line 2' in rendered
     assert "CellFailed: rank 1: ZeroDivisionError: division by zero" in rendered
+
+
+GLOO_RESET = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+    "[127.0.0.1]:5253: Connection reset by peer. This is typically caused by a remote worker "
+    "hanging or bugs in the application."
+)
+GLOO_CLOSED = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+    "by peer [127.0.0.1]:53651. This is typically caused by a remote worker crashing."
+)
+
+
+def test_a_death_comes_first_and_its_peers_transport_errors_are_its_consequences():
+    """The survivors' sockets break as the process ends, before the notebook sees the end:
+    their errors (out of a DDP backward: no collective on the stack) are stamped earlier,
+    and are still the death's consequences (issue 45, item 5)."""
+    reset0 = RankFailed(0, "RuntimeError", GLOO_RESET, "tb", when=1.000)
+    reset2 = RankFailed(2, "RuntimeError", GLOO_RESET, "tb", when=1.001)
+    closed3 = RankFailed(3, "RuntimeError", GLOO_CLOSED, "tb", when=1.002)
+    death = RankDied(1, -9, when=1.003)
+    for order in ([reset0, reset2, death, closed3], [death, closed3, reset2, reset0]):
+        err = CellFailed(order)
+        assert err.failures == [death]
+        assert err.consequences == [reset0, reset2, closed3]
+        assert str(err).splitlines() == [
+            "rank 1 died (killed by SIGKILL)",
+            "ranks 0, 2, 3: freed from a collective after rank 1 died",
+        ]
+    # an error of the rank's own (not its transport) is a root cause too, after the death
+    own = RankFailed(2, "ValueError", "mine", "tb", when=0.5)
+    assert root_causes([own, reset0, death]) == ([death, own], [reset0])
+
+
+def test_a_transport_error_without_a_death_is_a_root_cause():
+    """No death to blame (a peer's host unreachable, a timeout): the error itself heads."""
+    reset = RankFailed(0, "RuntimeError", GLOO_RESET, "tb", when=1.0)
+    assert transport_error(reset)
+    assert root_causes([reset]) == ([reset], [])
+    assert not transport_error(RankFailed(0, "ValueError", "bad read error", "tb"))
+    assert not transport_error(RankDied(1, -9))
+    nccl = RankFailed(0, "DistBackendError", "NCCL error: remote process exited", "tb")
+    assert transport_error(nccl)
 
 
 def test_interrupted_cells_say_why():
@@ -49,9 +98,9 @@ def test_ranks_on_several_hosts_are_named_with_their_host():
     )
     with pytest.raises(CellFailed) as err:
         raise_for_end(end, {0: "node-a", 1: "node-b"})
-    assert str(err.value).splitlines() == [
-        "rank 1 (node-b): ValueError: x",
+    assert str(err.value).splitlines() == [  # (a death first)
         "rank 0 (node-a) died (connection lost)",
+        "rank 1 (node-b): ValueError: x",
     ]
 
 

@@ -133,6 +133,7 @@ class PoolState:
     # (nbddp.pool.hosts_lost.seen: what %ddp status and a refusal say of them)
     missing: dict[int, str] = field(default_factory=dict)
     missing_back: tuple[int, ...] = ()
+    namespaces: dict[int, int] = field(default_factory=dict)  # Pool.namespaces
 
 
 @dataclass(frozen=True)

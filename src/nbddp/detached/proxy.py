@@ -78,6 +78,7 @@ class DetachedPool(PoolCalls):
     generation = property(lambda self: self._state.generation)
     devices = property(lambda self: self._state.devices)
     pids = property(lambda self: self._state.pids)
+    namespaces = property(lambda self: self._state.namespaces)  # (fresh ones: new numbers)
     backend_in_use = property(lambda self: self._state.backend)
     last_stacks = property(lambda self: self._state.last_stacks)
     attached = property(lambda self: self._state.attached)  # ranks torchrun started

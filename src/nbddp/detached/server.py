@@ -206,6 +206,7 @@ class Supervisor:
             pool.grace,
             pool.attached,
             *hosts_lost.seen(pool),
+            namespaces=pool.namespaces,
         )
 
     def _handle(self, outbox, msg: object) -> None:

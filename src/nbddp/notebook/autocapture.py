@@ -1,14 +1,19 @@
 """Automatic capture for ``%%ddp``: the names a cell reads that only the notebook has,
 and the notebook's imports, replayed on the ranks (``--no-auto`` turns it off).
 
-The notebook's side of it: what the notebook imported (from its run cells), what was
-shipped to which generation of the pool; :mod:`nbddp.pool.capture` does the reading.
+The notebook's side of it: what the notebook imported (from its run cells), which of
+those imports each rank's namespace has run, what was shipped to which generation of
+the pool; :mod:`nbddp.pool.capture` does the reading. An import goes to a rank once
+per namespace (``Pool.namespaces``): after a death, a resize up or a host's rejoin,
+the whole log goes to the new ranks only, and a survivor's bindings (``lr`` an import
+bound, then the rank's own cell rebound) are never touched.
 """
 
 from __future__ import annotations
 
 from ..pool import capture
 from ..pool.errors import CaptureError, NbddpError
+from ..wire.stacks import rank_set
 from .session import say
 
 __all__ = ["AutoCapture"]
@@ -33,7 +38,8 @@ class AutoCapture:
         # rank, in order: replayed to ranks with a fresh namespace
         self.import_log: list[str] = []
         self.shipped = capture.Shipped()
-        self._replayed = (-1, 0)  # (pool generation, imports replayed to all its ranks)
+        # rank -> (its namespace's number, how many of import_log that namespace ran)
+        self._ran: dict[int, tuple[int | None, int]] = {}
 
     def record_imports(self, result) -> None:
         """After each notebook cell (IPython's post_run_cell): the imports it ran."""
@@ -50,7 +56,7 @@ class AutoCapture:
         """A ``%%ddp`` cell ran on every rank: its imports join the log, so that a rank
         with a fresh namespace (one that took a dead rank's place) gets them too. Of a
         cell that ``failed``, the imports that ran: those whose names a rank now has."""
-        generation, done = self._replayed
+        before = len(self.import_log)
         fresh = [
             stmt
             for stmt in capture.import_statements(self.shell.transform_cell(cell))
@@ -60,8 +66,25 @@ class AutoCapture:
             self.import_log += [s for s in fresh if capture.names_imported([s]) <= _held(pool)]
             return
         self.import_log += fresh
-        if (generation, done) == (pool.generation, len(self.import_log) - len(fresh)):
-            self._replayed = (generation, len(self.import_log))  # every rank has run them
+        spaces = pool.namespaces
+        for rank, (space, ran) in self._ran.items():
+            if ran == before and spaces.get(rank) == space:  # it ran the cell's too
+                self._ran[rank] = (space, len(self.import_log))
+
+    def _replays(self, pool, ranks) -> tuple[dict[int, list[str]], set[int]]:
+        """Each target's imports to run (those of the log its namespace has not run), and
+        the targets whose namespace is new since the last cell that reached them."""
+        spaces = pool.namespaces
+        replays: dict[int, list[str]] = {}
+        new: set[int] = set()
+        for rank in range(pool.world_size) if ranks is None else ranks:
+            space, ran = self._ran.get(rank, (None, 0))
+            if space != spaces.get(rank):
+                ran = 0
+                new.add(rank)
+            replays[rank] = self.import_log[ran:]
+            self._ran[rank] = (spaces.get(rank), len(self.import_log))
+        return replays, new
 
     def versions(self, pool, objects: dict[str, object], ranks) -> dict[str, int]:
         """The notebook's version of each object it ships (``--need``, push, automatic
@@ -73,22 +96,23 @@ class AutoCapture:
 
     def ship(self, pool, cell: str, ranks, explicit, imports: str):
         """Names ``cell`` reads that only the notebook has (a shipment, and their
-        versions), and the imports to run first (the notebook's not yet replayed, then
-        ``imports``); said in one line."""
+        versions), and the imports to run first (the notebook's not yet replayed to that
+        rank's namespace, then ``imports``: one text for all, or each rank's); said in
+        one line."""
         objects, sizes, notes, auto = self._select(pool, cell, ranks, explicit)
-        generation, done = self._replayed
-        replay = self.import_log[done if generation == pool.generation else 0 :]
-        if ranks is None:
-            self._replayed = (pool.generation, len(self.import_log))
+        replays, new = self._replays(pool, ranks)
         said = [f"{n} ({capture.human(sizes[n])})" for n in objects]
-        if replay:
-            said.append(f"replayed {len(replay)} import{'s' * (len(replay) > 1)}")
+        said += _replayed_words(replays, new)
         if said:
             say("shipped " + ", ".join(said) if objects else ", ".join(said))
         for note in notes:
             say(note)
         versions = self.versions(pool, objects, ranks)
-        return auto, versions, "\n".join([*replay, imports] if imports else replay)
+        each = {
+            r: "\n".join([*replay, imports] if imports else replay) for r, replay in replays.items()
+        }
+        texts = set(each.values())
+        return auto, versions, (texts.pop() if len(texts) == 1 else each)
 
     def _select(self, pool, cell: str, ranks, explicit):
         """(objects, their sizes, notes, the packed shipment) for ``cell``."""
@@ -106,3 +130,25 @@ class AutoCapture:
         except CaptureError as exc:
             return {}, {}, [str(exc)], None
         return objects, sizes, notes, auto
+
+
+def _imports(count: int) -> str:
+    return f"{count} import{'s' * (count > 1)}"
+
+
+def _replayed_words(replays: dict[int, list[str]], new: set[int]) -> list[str]:
+    """``replayed 5 imports`` (the same to every target), else ``replayed 5 imports on
+    rank 2 (new), 1 import on ranks 0, 1``: where each went, the new ranks named so."""
+    by_count: dict[int, list[int]] = {}
+    for rank, replay in sorted(replays.items()):
+        by_count.setdefault(len(replay), []).append(rank)
+    if set(by_count) == {0}:
+        return []
+    if len(by_count) == 1:
+        return [f"replayed {_imports(next(iter(by_count)))}"]
+    parts = [
+        f"{_imports(count)} on {rank_set(ranks)}" + (" (new)" if set(ranks) <= new else "")
+        for count, ranks in sorted(by_count.items(), reverse=True)
+        if count
+    ]
+    return ["replayed " + ", ".join(parts)]

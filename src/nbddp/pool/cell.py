@@ -16,6 +16,7 @@ import gc
 import inspect
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..wire import protocol as P
@@ -63,11 +64,21 @@ class Requests:
             self.request = None  # the cell ended: it was answered
 
 
-def make_runs(targets: list[int], shown: set[int], **fields) -> dict[int, P.Run]:
-    """Each target's Run (``fields`` and whether it shows rich output): two messages at
-    most, so each is pickled once for every rank."""
-    runs = {display: P.Run(display=display, **fields) for display in (False, True)}
-    return {r: runs[r in shown] for r in targets}
+def make_runs(
+    targets: list[int], shown: set[int], imports: str | Mapping[int, str] = "", **fields
+) -> dict[int, P.Run]:
+    """Each target's Run (``fields``, its imports: the same for all, or each rank's own,
+    and whether it shows rich output): one message per kind, so each is pickled once
+    for every rank that gets it."""
+    runs: dict[tuple[bool, str], P.Run] = {}
+    for_rank: dict[int, P.Run] = {}
+    for r in targets:
+        own = imports if isinstance(imports, str) else imports.get(r, "")
+        key = (r in shown, own)
+        if key not in runs:
+            runs[key] = P.Run(display=key[0], imports=own, **fields)
+        for_rank[r] = runs[key]
+    return for_rank
 
 
 def left_unread(end: P.CellEnd | None) -> str:

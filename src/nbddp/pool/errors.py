@@ -10,9 +10,10 @@
      +-- CaptureError        a --need / --imports / push name cannot be shipped
                              (raised before any rank runs)
      +-- CellFailed          a cell failed on one or more ranks; .failures lists the root
-          |                  causes first (by when they happened), .groups the same causes
-          |                  with one error on several ranks together, .consequences the
-          |                  ranks freed from a collective because of them
+          |                  causes first (a death, then by when they happened), .groups
+          |                  the same causes with one error on several ranks together,
+          |                  .consequences the ranks freed from a collective because of
+          |                  them (after a death: its peers' transport errors too)
           +-- CellInterrupted    the cell was interrupted (stop button, Ctrl-C, --timeout);
                                  .stacks says where each rank was
 
@@ -129,26 +130,55 @@ class RankDied:
         return [f"--- {rank_label(self.rank, self.host)} ---", self.summary]
 
 
+# what a rank's error says when a peer's process went away under a collective: gloo's
+# pair.cc ("Read error ... Connection reset by peer", "Connection closed by peer",
+# "Socket Timeout"), NCCL's remote errors, torch's DistNetworkError / DistBackendError
+_TRANSPORT = re.compile(
+    r"connection (reset|closed) by peer|socket timeout|gloo/transport"
+    r"|remote process exited|ncclRemoteError"
+    r"|NCCL communicator was aborted|DistNetworkError|DistBackendError",
+    re.I,
+)
+
+
+def transport_error(failure: RankFailed | RankDied) -> bool:
+    """A rank's error its transport raised: what a survivor sees when a peer dies."""
+    if not isinstance(failure, RankFailed):
+        return False
+    said = f"{failure.exc_type}: {failure.message}"
+    return bool(_TRANSPORT.search(said))
+
+
 def root_causes(
     failures: list[RankFailed | RankDied], freed: tuple[int, ...] | list[int] = ()
 ) -> tuple[list[RankFailed | RankDied], list[RankFailed]]:
-    """Split failures into root causes (first happened first) and their consequences.
+    """Split failures into root causes (a death first, then first happened first) and
+    their consequences.
 
     A consequence is a rank's error that came out of a collective, or out of a
     group nbddp aborted under it (``freed``), while another rank failed for a
-    reason of its own. When every failure is of that kind (a timeout, a
-    mismatched collective), they are all root causes.
+    reason of its own; and, when a rank died, a transport error (a peer's socket
+    gone: :func:`transport_error`), wherever it was raised (a DDP backward's
+    all_reduce runs in C++, with no collective on the Python stack). When every
+    failure is of that kind (a timeout, a mismatched collective), they are all
+    root causes. A death comes before every other root cause: the notebook sees a
+    process end only after its peers' sockets broke, so a survivor's error is
+    often stamped earlier than the death that caused it.
     """
+    died = any(isinstance(f, RankDied) for f in failures)
 
     def consequence(f: RankFailed | RankDied) -> bool:
-        return isinstance(f, RankFailed) and (f.rank in freed or bool(f.collective))
+        return isinstance(f, RankFailed) and (
+            f.rank in freed or bool(f.collective) or (died and transport_error(f))
+        )
 
     roots = [f for f in failures if not consequence(f)]
     if not roots:
         roots, rest = list(failures), []
     else:
         rest = [f for f in failures if consequence(f)]
-    roots.sort(key=lambda f: f.when or float("inf"))  # stable: no time, given order
+    # stable: no time, given order
+    roots.sort(key=lambda f: (not isinstance(f, RankDied), f.when or float("inf")))
     return roots, sorted(rest, key=lambda f: f.rank)
 
 

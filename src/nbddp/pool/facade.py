@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from ..wire import payload
 from ..wire import protocol as P
@@ -198,6 +198,14 @@ class Pool(PoolLife, PoolRepair, PoolCalls):
     def pids(self) -> list[int]:
         return [r.pid for r in self.roster.ranks.values()]
 
+    @property
+    def namespaces(self) -> dict[int, int]:
+        """Each rank's namespace, as a number: a new one whenever the rank has a fresh
+        namespace (a start, a replacement, a resize up, a lost host's rejoin), the same
+        while it keeps its own. A front end replays the notebook's imports only where
+        it changed (:mod:`nbddp.notebook.autocapture`)."""
+        return {r.rank: r.namespace for r in self.roster.ranks.values()}
+
     # ------------------------------------------------------------ cells
 
     def take_notes(self) -> list[str]:
@@ -227,7 +235,7 @@ class Pool(PoolLife, PoolRepair, PoolCalls):
         needs: dict[str, object] | payload.Shipment | None = None,
         auto: payload.Shipment | None = None,
         versions: dict[str, int] | None = None,
-        imports: str = "",
+        imports: str | Mapping[int, str] = "",
         want_values: bool = False,
         timeout: float | None = None,
         display_ranks: list[int] | None = None,
@@ -241,6 +249,8 @@ class Pool(PoolLife, PoolRepair, PoolCalls):
         """Run ``code`` on ``ranks`` (all by default); a :class:`~nbddp.pool.cell.Cell`: its
         events, ending with ``CellEnd``.
 
+        ``imports``: statements run first on every target, or each rank's own (a
+        mapping: a rank it leaves out runs none).
         ``needs`` maps names to objects bound on the ranks before the cell
         (or is a shipment made by :func:`nbddp.pool.capture.pack`); ``auto`` is
         bound only on ranks that lack the name. ``versions`` names the notebook's version of

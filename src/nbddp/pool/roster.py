@@ -11,6 +11,7 @@ until every rank has joined the group and said Ready.
 from __future__ import annotations
 
 import contextlib
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ class Rank:
     stale: tuple[P.Stale, ...] = ()  # its last re-form: what is still bound to the old group
     renewable: bool = False  # attached: a holder on its host forks a new process if it dies
     slurm: P.Slurm | None = None  # attached under SLURM: its job, node rank and master
+    # its namespace's number: each record is one process, so one namespace (Pool.namespaces)
+    namespace: int = field(default_factory=lambda: secrets.randbits(62))
 
     def send(self, msg: object) -> bool:
         return self.send_bytes(P.dumps(msg))
