@@ -18,6 +18,7 @@ import signal
 
 import pytest
 import torch
+from IPython.core.interactiveshell import InteractiveShell
 from test_kernel import Reply, execute, one_usage_error
 
 from helpers import collect, healthy, wait_gone
@@ -27,6 +28,13 @@ from nbddp.wire.stacks import rank_set
 from training import MODEL, STATE, TRAIN, expected, same_losses
 
 SIZES = [3, 8]
+ABORT = "if rank == 1:\n    raise ValueError('bad')\ntorch.distributed.all_reduce(torch.ones(1))"
+
+
+def killing(rank: int) -> str:
+    """TRAIN, with ``rank`` SIGKILLing itself at step 1 (the others in DDP's backward)."""
+    kill = f"    if rank == {rank} and step == 1:\n        os.kill(os.getpid(), 9)\n"
+    return "import os\n" + TRAIN.replace("    opt.zero_grad()\n", "    opt.zero_grad()\n" + kill)
 
 
 def train_on(pool) -> None:
@@ -64,9 +72,7 @@ def test_a_death_mid_step_then_the_next_training_cell(trained):
     pool = healthy(trained)
     n = pool.world_size
     bad = n - 2
-    kill = f"    if rank == {bad} and step == 1:\n        os.kill(os.getpid(), 9)\n"
-    code = "import os\n" + TRAIN.replace("    opt.zero_grad()\n", "    opt.zero_grad()\n" + kill)
-    message, _ = _failed(pool, code)
+    message, _ = _failed(pool, killing(bad))
     assert message.splitlines()[0] == f"rank {bad} died (killed by SIGKILL)", message
     survivors = rank_set([r for r in range(n) if r != bad])
     assert f"model: DDP on the new group ({survivors})" in message, message
@@ -93,7 +99,7 @@ def test_a_death_between_cells_then_the_next_training_cell(trained):
     "event",
     [
         "if rank != 0:\n    torch.distributed.all_reduce(torch.ones(1))",  # a deadlock
-        "if rank == 1:\n    raise ValueError('bad')\ntorch.distributed.all_reduce(torch.ones(1))",
+        ABORT,
         "if rank == 0:\n    w = torch.distributed.all_reduce(torch.ones(1), async_op=True)",
     ],
     ids=["deadlock", "error that aborts", "collective left in flight"],
@@ -149,9 +155,7 @@ def test_in_a_kernel_a_death_mid_step_a_resize_to_8_and_a_copy_then_training_goe
     assert execute(kc, "%ddp start -n 3 --heal model,opt").error is None
     assert execute(kc, "%%ddp --text\n" + MODEL).error is None
     _train_in_kernel(kc)
-    kill = "    if rank == 1 and step == 1:\n        os.kill(os.getpid(), 9)\n"
-    code = "import os\n" + TRAIN.replace("    opt.zero_grad()\n", "    opt.zero_grad()\n" + kill)
-    r = execute(kc, "%%ddp --text\n" + code, timeout=120)
+    r = execute(kc, "%%ddp --text\n" + killing(1), timeout=120)
     lines = r.error["evalue"].splitlines()
     assert lines[0] == "rank 1 died (killed by SIGKILL)", lines
     assert any("model: DDP on the new group (ranks 0, 2)" in line for line in lines), lines
@@ -212,3 +216,37 @@ def test_sharded_objects_are_named_after_a_re_form_and_a_death_and_fail_at_once(
         _, _, end = collect(pool.run(FSDP_STEP, ranks=[0, 2], timeout=60))
         assert end.interrupted is None, end  # failed at once, not stopped by the timeout
         assert set(end.errors) == {0, 2}, end
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 4])
+def test_through_a_shell_an_abort_a_death_and_a_resize_then_training_goes_on(n):
+    """The same through the magics in a real IPython shell, at the sizes the Pool and
+    kernel tests above do not run (2 and 4): an error that aborts, a death mid-step, a
+    resize up, each followed by the training cell as written."""
+    shell = InteractiveShell.instance()
+    shell.run_cell("%load_ext nbddp")
+    try:
+
+        def cell(code: str, ok: bool = True):
+            result = shell.run_cell(code)
+            assert result.success == ok, (code, result.error_in_exec)
+            return result
+
+        def train(head: str = "%%ddp --quiet") -> None:
+            cell("%%ddp --quiet --out st\n" + STATE)
+            cell(f"{head} --out got\n{TRAIN}")
+            state, got = shell.user_ns["st"], shell.user_ns["got"]
+            assert same_losses(got, expected(state[0], len(got))), got
+
+        cell(f"%ddp start -n {n} --heal model,opt")
+        cell("%%ddp --quiet\n" + MODEL)
+        train()
+        cell("%%ddp --quiet\n" + ABORT, ok=False)
+        train()
+        cell("%%ddp --quiet\n" + killing(n - 1), ok=False)
+        train()
+        train(f"%%ddp -n {n + 1} --quiet")
+    finally:
+        shell.run_cell("%ddp stop")
+        shell.run_cell("%unload_ext nbddp")

@@ -36,6 +36,8 @@ def apply(pool, heal=None, on_death: str = "replace", grace: float = 3.0, thread
         _threads_on_ranks(pool, threads)
         pool.threads = threads  # (a rank started later reads it from its environment)
     pool.heal, pool.on_death, pool.grace = names, on_death, grace
+    if names:  # a new rank's heal wraps a DDP model: its imports, ahead (nbddp.pool.launch)
+        pool.procs.warm()
 
 
 def _threads_on_ranks(pool, threads: str | None) -> None:

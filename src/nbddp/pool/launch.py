@@ -15,6 +15,7 @@ together with the workers' connections, so a death is seen at once.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import signal
@@ -31,6 +32,9 @@ from .errors import PoolStartError
 __all__ = ["START_METHODS", "Launcher", "make_launcher"]
 
 START_METHODS = ("forkserver", "spawn", "fork")
+# what building a rank's first DDP wrapper imports (torch imports torch._dynamo for it:
+# about 1 s per process, most of a heal's time): imported ahead in a fork server on ask
+WARM = ("torch._dynamo",)
 
 
 class Launcher:
@@ -56,6 +60,10 @@ class Launcher:
         """Start ``nbddp.<module>.main(argv)``; with ``fd``, it gets that file (its number
         first in argv)."""
         raise NotImplementedError
+
+    def warm(self) -> None:
+        """Have the workers started from now on find :data:`WARM` imported (a fork server
+        imports them once, between forks); nothing for the other launchers."""
 
     def sentinels(self) -> list:
         """Objects for ``multiprocessing.connection.wait`` that become ready when a worker ends."""
@@ -206,6 +214,7 @@ class ForkServerLauncher(Launcher):
         theirs.close()
         self._conn = Connection(ours.detach())
         self._pending: list[dict] = []
+        self._warm = False  # asked to import WARM
         msg = self._recv(timeout=120)
         if msg is None or "ready" not in msg:
             self.close()
@@ -238,6 +247,11 @@ class ForkServerLauncher(Launcher):
             if "pid" in msg:
                 return msg["pid"]
             self._pending.append(msg)
+
+    def warm(self) -> None:
+        if not self._warm:
+            self._warm = True
+            self._conn.send({"warm": WARM})  # (no answer: the next fork waits for it)
 
     def sentinels(self) -> list:
         return [self._conn]
@@ -297,6 +311,9 @@ def _serve_forks(fd: int) -> None:
                 req = conn.recv()
             except (EOFError, OSError):
                 return  # the notebook is gone: the workers notice on their own
+            if "warm" in req:
+                _import(req["warm"])
+                continue
             argv = req["argv"]
             fd = reduction.recv_handle(conn) if req["fd"] else None
             pid = os.fork()
@@ -315,6 +332,14 @@ def _serve_forks(fd: int) -> None:
             if fd is not None:
                 os.close(fd)
             conn.send({"pid": pid})
+
+
+def _import(modules) -> None:
+    """Import ``modules`` (each a dotted name of :data:`WARM`), as far as they go."""
+    for name in modules:
+        if name in WARM:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
 
 
 def _report_exits(conn: Connection) -> None:

@@ -64,6 +64,8 @@ class PoolLife:
                     pid = self.procs.start(rank, self.address, rank_env(self, rank))
                     self.roster.add(rank, pid)
             self.handshake(self.start_timeout)
+            if self.heal:  # a new rank's heal wraps a DDP model: its imports, ahead
+                self.procs.warm()
             self.generation = secrets.randbits(48) << 16
             self.history.clear()  # every namespace is new: no cell of theirs to re-run
             self.notes += gpu_notes(self)  # ranks that share a GPU: said once

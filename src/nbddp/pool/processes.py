@@ -66,6 +66,12 @@ class RankProcesses:
         """Start ``rank``'s process, connecting to ``address``; its pid."""
         return self._launcher().start(["--connect", address], env, self.log_path(rank), os.getcwd())
 
+    def warm(self) -> None:
+        """Ranks started from now on (replacements, a resize's) build their first DDP
+        wrapper without importing torch._dynamo first (:meth:`Launcher.warm`)."""
+        if self.launcher is not None:
+            self.launcher.warm()
+
     def _launcher(self) -> Launcher:
         if self.launcher is None:
             self.launcher = make_launcher(self.start_method)

@@ -276,7 +276,8 @@ def _said(pool, new, src: int | None, done: _Replay) -> list[str]:
     source = None if src is None else table.get(src)
     if source is None:
         return notes
-    theirs = source.names - source.modules - STARTING - {h.name for h in source.held if h.shipped}
+    imports = {h.name for h in source.held if h.shipped or h.kind == "import"}  # (replayed)
+    theirs = source.names - source.modules - STARTING - imports
     for rank in ranks:
         lacks = sorted(theirs - now[rank] - {"group", "mesh"})
         if lacks:

@@ -63,10 +63,18 @@ def _inside(obj, torch) -> int:
     return sum(_tensor_bytes(v) for v in values if isinstance(v, torch.Tensor))
 
 
+def _imported(obj: object) -> bool:
+    """A class or function another module defines (``from torch.nn.parallel import
+    DistributedDataParallel as DDP``): an import, which a new rank gets by the replay."""
+    if not isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)):
+        return False
+    return getattr(obj, "__module__", None) not in (None, "__main__", "builtins")
+
+
 def describe(obj: object) -> tuple[str, int]:
     """(kind, bytes) of one object, cheaply."""
     torch = sys.modules.get("torch")
-    if isinstance(obj, types.ModuleType):
+    if isinstance(obj, types.ModuleType) or _imported(obj):
         return "import", 0
     if torch is not None:
         if isinstance(obj, torch.nn.Module):
