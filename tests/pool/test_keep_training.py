@@ -24,6 +24,8 @@ from test_kernel import Reply, execute, one_usage_error
 from helpers import collect, healthy, wait_gone
 from nbddp import Pool
 from nbddp.pool.errors import NbddpError
+from nbddp.pool.rebinding import words
+from nbddp.wire import protocol as P
 from nbddp.wire.stacks import rank_set
 from training import MODEL, STATE, TRAIN, expected, same_losses
 
@@ -250,3 +252,29 @@ def test_through_a_shell_an_abort_a_death_and_a_resize_then_training_goes_on(n):
     finally:
         shell.run_cell("%ddp stop")
         shell.run_cell("%unload_ext nbddp")
+
+
+def test_the_re_form_note_names_what_was_bound_again_and_what_was_not():
+    """rebinding.words: each object with the ranks that hold it (all: every rank), the
+    stale ones with what mends them, a sharded one incomplete only after a death."""
+
+    class R:
+        def __init__(self, rank, rebound=(), stale=()):
+            self.rank, self.rebound, self.stale = rank, rebound, stale
+
+    fsdp = P.Stale("fmodel", "sharded", "a module sharded with fully_shard")
+    pg = P.Stale("pg", "group", "a ProcessGroup")
+    hooked = P.Stale("net", "ddp", "a DDP wrapper with a communication hook")
+    ranks = [R(0, ("model",), (fsdp, pg)), R(1, (), (fsdp,)), R(2, ("model",), (fsdp, hooked))]
+    said = words(ranks, 3)
+    assert said == (
+        "model: DDP on the new group (ranks 0, 2); still bound to the old group: fmodel on "
+        "every rank (a module sharded with fully_shard, on the old group's mesh: shard it "
+        "again, or load a checkpoint); pg on rank 0 (a ProcessGroup: make it again in a "
+        "cell); net on rank 2 (a DDP wrapper with a communication hook: wrap net.module in "
+        "DDP again in a cell)"
+    ), said
+    assert "fmodel on every rank (a module sharded with fully_shard, incomplete: the dead " in (
+        words(ranks, 3, died=True)
+    )
+    assert words([R(0), R(1)], 2) == ""

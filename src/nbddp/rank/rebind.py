@@ -79,6 +79,8 @@ def _why_not(ddp: DDP, groups: dict) -> str:
         return "a DDP wrapper with a communication hook"
     if getattr(ddp, "mixed_precision", None) is not None:
         return "a DDP wrapper with mixed precision"
+    if getattr(ddp, "_delay_all_reduce_params", None):
+        return "a DDP wrapper with delayed all-reduces"
     if not _INIT_SYNC:
         return "a DDP wrapper (this torch wraps only with a collective)"
     return ""
@@ -99,7 +101,11 @@ def rebind(namespace: dict, groups: dict) -> Rebound:
                 done.stale.append(P.Stale(name, DDP_STUCK, why))
                 continue
             if id(obj) not in made:
-                made[id(obj)] = _again(obj, groups[obj.process_group])
+                try:
+                    made[id(obj)] = _again(obj, groups[obj.process_group])
+                except Exception as exc:  # (the re-form itself stands: said, not raised)
+                    done.stale.append(P.Stale(name, DDP_STUCK, f"a DDP wrapper ({exc})"))
+                    continue
             namespace[name] = made[id(obj)]
             done.names.append(name)
         elif (found := stale_kind(obj, types)) is not None and name not in ("group", "mesh"):
