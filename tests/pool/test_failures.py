@@ -248,7 +248,9 @@ def check_case(pool, case: Case, bad: int) -> None:
     # which ranks kept their state, and the next cell (a collective) works
     nxt = pool.execute("(kept if 'kept' in globals() else None, rank)")
     if case.died:  # every other rank kept its state; a new process took the dead one's place
-        assert nxt == [(None if r == bad else 100 + r, r) for r in range(n)]
+        # (and re-ran the cell that made `kept`, which issued no collective)
+        assert nxt == [(100 + r, r) for r in range(n)]
+        assert any(note.startswith(f"rank {bad} re-ran ") for note in end.notes), end.notes
         assert [p for r, p in enumerate(pool.pids) if r != bad] == [
             p for r, p in enumerate(pids) if r != bad
         ]

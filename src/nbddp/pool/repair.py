@@ -203,7 +203,9 @@ class PoolRepair:
         healed = healing.heal(self, sorted(had))
         facts = self.facts()
         self.notes += recovery.replaced_notes(facts, had, took, fresh, healed, code, bound)
-        self.notes += rerun.replay(self, sorted(had), healed)  # what the new ranks lack
+        # (not `self.notes += replay(...)`: replay's own cells set self.notes meanwhile)
+        reran = rerun.replay(self, sorted(had), healed)  # what the new ranks lack
+        self.notes += reran
         for rank in sorted(had):
             yield P.RankState(rank, "replaced")
 

@@ -150,7 +150,8 @@ def resize(pool, n: int) -> Resized:
     bound = rebinding.words(pool.roster.ranks.values(), n)
     healed = healing.heal(pool, list(new))  # (--heal: the new ranks get the named objects)
     if new:
-        pool.notes += rerun.replay(pool, list(new), healed)  # the cells they can re-run, alone
+        reran = rerun.replay(pool, list(new), healed)  # the cells they can re-run, alone
+        pool.notes += reran  # (after: replay's own cells set pool.notes meanwhile)
     return Resized(old, n, time.monotonic() - t0, stopped, bound, healed)
 
 
