@@ -196,7 +196,8 @@ def test_a_dead_rank_is_replaced_and_copy_heals_it(shell, run):
         re.M,
     )  # (imports of earlier tests' cells too)
     assert had, message
-    assert had[1] == "model, step", message
+    # (and kept, when an earlier test's rank 2 died: its new process re-ran kept's cell)
+    assert set(had[1].split(", ")) - {"kept"} == {"model", "step"}, message
     assert {"js", "math"} <= set(had[2].split(", ")), message
     result, out = run(
         "%%ddp --out seen\n(step if 'step' in globals() else None, math.pi * scale, js.dumps(1))"

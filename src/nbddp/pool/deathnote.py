@@ -132,9 +132,10 @@ def replaced_note(rank: int, dead_held, fresh: frozenset[str], healed: Healed | 
 
 
 def reran(ranks, labels, names) -> str:
-    """``rank 1 re-ran In [3], In [5]: Xr, yr, loss_fn``."""
+    """``rank 1 re-ran In [3], In [5]: Xr, yr, loss_fn`` (a label said once: a cell run
+    again under the same prompt, or by code, is one; many: the first, then how many)."""
     made = f": {_names(names)}" if names else ""
-    return f"{rank_set(ranks)} re-ran {', '.join(labels)}{made}"
+    return f"{rank_set(ranks)} re-ran {_names(dict.fromkeys(labels))}{made}"
 
 
 def not_reran(ranks, label: str, touched) -> str:
