@@ -181,9 +181,7 @@ class GroupKeeper:
     def groups(self) -> list:
         """The default group, then the pool's own subgroups (``--groups``), of this rank:
         a re-form maps each old one to its new one, for :func:`nbddp.rank.rebind.rebind`."""
-        if not dist.is_initialized():
-            return []
-        groups = [dist.distributed_c10d._get_default_group()]
+        groups = [dist.distributed_c10d._get_default_group()]  # (the caller saw it up)
         return groups + (list(self.ctx.groups) if self.ctx is not None else [])
 
     def positions(self) -> tuple:
@@ -202,8 +200,10 @@ class GroupKeeper:
         peers blocked in a collective with this rank are freed."""
         with self._abort_lock:
             try:
-                if dist.is_initialized() and not self.old_groups:
-                    self.old_groups = self.groups()  # for the re-form to bind again
+                if dist.is_initialized():
+                    if not self.old_groups:  # (for the re-form to bind their objects anew)
+                        with contextlib.suppress(Exception):
+                            self.old_groups = self.groups()
                     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
                     abort() if abort is not None else dist.destroy_process_group()
             except Exception:
