@@ -298,8 +298,7 @@ def test_a_collective_failure_says_the_group_was_re_formed(pool):
     (note,) = end.notes
     assert "rank 1 had stopped while rank 0 still ran (waiting in barrier)" in note
     assert "re-formed" in note
-    assert "kept its namespace" in note
-    assert "DDP models" in note
+    assert note.endswith("kept its namespace"), note  # (no DDP model to bind again)
 
 
 @pytest.mark.timeout(60)
