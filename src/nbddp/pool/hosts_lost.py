@@ -157,7 +157,8 @@ def _mark(pool, lost: dict[int, str]) -> None:
     pool.notes.append(
         f"{_hosts(lost)} was lost (its relay's connection closed with its ranks): the pool "
         f"waits for it, and every other rank keeps its namespace; {recipe(pool, lost)} to "
-        "bring its ranks back (fresh: `%ddp copy` or --heal gives them what a survivor holds)"
+        "bring its ranks back (new processes: they re-run the cells they can, and `%ddp "
+        "copy` or --heal gives them what a survivor holds)"
     )
 
 
