@@ -480,3 +480,20 @@ def frozen_charts(html: str) -> dict[str, tuple[str, str]]:
 def frozen_svgs(html: str) -> dict[str, str]:
     """metric name -> the decoded SVG text of each chart image in frozen HTML."""
     return {metric: svg for metric, (_alt, svg) in frozen_charts(html).items()}
+
+
+@contextlib.contextmanager
+def nbddp_shell(*cells: str) -> Iterator:
+    """IPython's shell with nbddp loaded (and ``cells`` run); its pool stopped and nbddp
+    unloaded after."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    sh.run_cell("%load_ext nbddp")
+    for cell in cells:
+        sh.run_cell(cell)
+    try:
+        yield sh
+    finally:
+        sh.run_cell("%ddp stop")
+        sh.run_cell("%unload_ext nbddp")

@@ -17,20 +17,16 @@ import sys
 import time
 
 import pytest
-from IPython.core.interactiveshell import InteractiveShell
 
-from helpers import wait_gone
+from helpers import nbddp_shell, wait_gone
 
 LR = 0.001
 
 
 @pytest.fixture(scope="module")
 def shell():
-    sh = InteractiveShell.instance()
-    sh.run_cell("%load_ext nbddp")
-    yield sh
-    sh.run_cell("%ddp stop")
-    sh.run_cell("%unload_ext nbddp")
+    with nbddp_shell() as sh:
+        yield sh
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,8 @@ import signal
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 
-from helpers import namespace_digests, wait_gone
+from helpers import namespace_digests, nbddp_shell, wait_gone
 from nbddp.notebook.session import SESSION
 from nbddp.rank.ddp import threads_for
 
@@ -31,12 +30,8 @@ THREADS = "__import__('torch').get_num_threads()"
 
 @pytest.fixture(scope="module")
 def shell():
-    sh = InteractiveShell.instance()
-    sh.run_cell("%load_ext nbddp")
-    sh.run_cell("import torch")
-    yield sh
-    sh.run_cell("%ddp stop")
-    sh.run_cell("%unload_ext nbddp")
+    with nbddp_shell("import torch") as sh:
+        yield sh
 
 
 @pytest.fixture(scope="module", params=[3, 2], ids=["3ranks", "2ranks"])

@@ -18,10 +18,9 @@ import signal
 
 import pytest
 import torch
-from IPython.core.interactiveshell import InteractiveShell
 from test_kernel import Reply, execute, one_usage_error
 
-from helpers import collect, healthy, wait_gone
+from helpers import collect, healthy, nbddp_shell, wait_gone
 from nbddp import Pool
 from nbddp.pool.errors import NbddpError
 from nbddp.pool.rebinding import words
@@ -226,9 +225,7 @@ def test_through_a_shell_an_abort_a_death_and_a_resize_then_training_goes_on(n):
     """The same through the magics in a real IPython shell, at the sizes the Pool and
     kernel tests above do not run (2 and 4): an error that aborts, a death mid-step, a
     resize up, each followed by the training cell as written."""
-    shell = InteractiveShell.instance()
-    shell.run_cell("%load_ext nbddp")
-    try:
+    with nbddp_shell() as shell:
 
         def cell(code: str, ok: bool = True):
             result = shell.run_cell(code)
@@ -249,9 +246,6 @@ def test_through_a_shell_an_abort_a_death_and_a_resize_then_training_goes_on(n):
         cell("%%ddp --quiet\n" + killing(n - 1), ok=False)
         train()
         train(f"%%ddp -n {n + 1} --quiet")
-    finally:
-        shell.run_cell("%ddp stop")
-        shell.run_cell("%unload_ext nbddp")
 
 
 def test_the_re_form_note_names_what_was_bound_again_and_what_was_not():
