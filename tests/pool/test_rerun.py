@@ -186,3 +186,30 @@ def test_a_cell_whose_names_a_later_collective_cell_binds_again_is_not_re_run(re
     assert re.search(r"\bmine\b", lacks[0]), lacks
     assert re.search(r"\bnet\b", lacks[0]), lacks
     assert pool.execute("'net' in globals()", ranks=[1]) == [None, False, None]
+
+
+@pytest.mark.timeout(180)
+def test_a_cell_that_reads_what_only_a_collective_cell_made_is_skipped_and_the_rest_run(
+    rerun_pool,
+):
+    """``u = t.sum()`` needs ``t``, which a collective cell made: the new rank cannot run
+    it alone (it would fail), so it is skipped, and the cells after it that do not need it
+    still run; a cell whose re-run fails (what it reads is hidden from the scan) does not
+    stop the others either."""
+    pool = rerun_pool
+    if pool.world_size != SIZES[0]:
+        pytest.skip("once, at the smallest size")
+    healthy(pool)
+    pool.history.clear()
+    pool.execute(COUNT, label="In [1]")  # t: collectives
+    pool.execute("u = t.sum()", label="In [2]")  # reads t: not alone
+    pool.execute("import os\nv = int(os.environ['RANK']) * 2", label="In [3]")
+    pool.execute("w = globals()['t'].sum()", label="In [4]")  # a read no scan sees: fails
+    pool.execute("z = rank + 7", label="In [5]")
+    pid = pool.pids[1]
+    os.kill(pid, signal.SIGKILL)
+    assert wait_gone([pid]) == []
+    _, _, end = collect(pool.run("rank"))
+    assert "rank 1 re-ran In [3], In [5]: os, v, z" in end.notes, end.notes
+    assert any(n.startswith("rank 1: re-running In [4] failed (") for n in end.notes), end.notes
+    assert pool.execute("(v, z, 'u' in globals())", ranks=[1])[1] == (2, 8, False)

@@ -148,7 +148,7 @@ def not_reran(ranks, label: str, touched) -> str:
 
 
 def rerun_failed(ranks, label: str, how: str) -> str:
-    after = "the cells after it were not re-run"
+    after = "the cells that use what it makes were not re-run"
     return f"{rank_set(ranks)}: re-running {label} failed ({how}); {after}"
 
 

@@ -30,10 +30,11 @@ that the new rank still lacks is said in one line with the command that mends it
 from __future__ import annotations
 
 import ast
+import builtins
 import contextlib
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import deathnote
 from .drive import drive
@@ -193,7 +194,7 @@ class _Replay:
 
     ran: list[Entry]
     skipped: list[tuple[Entry, frozenset[str]]]  # (cell, the healed names it touches)
-    failed: tuple[Entry, str] | None = None  # the cell that failed, and how
+    failed: list[tuple[Entry, str]] = field(default_factory=list)  # the cells that failed, how
 
 
 def replay(pool, new: list[int], healed=None) -> list[str]:
@@ -223,14 +224,21 @@ def replay(pool, new: list[int], healed=None) -> list[str]:
 def _run_all(pool, new: list[int], copied: frozenset[str], before: dict) -> _Replay:
     table, done = pool.roster.ranks, _Replay([], [])
     remade: set[str] = set()  # names the re-runs made again
+    broken: set[str] = set()  # names a re-run that failed binds: who uses them is not re-run
     imports: list[str] = []  # every kept cell's imports, run with the next re-run
+    known = set(STARTING) | set(dir(builtins))  # what any new rank has, or the replay gives
     deadline = time.monotonic() + BUDGET
     entries = list(pool.history.entries)
     for i, entry in enumerate(entries):
         if entry.imports:
             imports.append(entry.imports)
+            known |= set((scan(entry.imports) or ((), None))[0])
         if entry.why_not or set(entry.binds) & _bound_later(entries[i + 1 :]):
             continue  # (what a later cell that cannot be re-run binds again: `%ddp copy` it)
+        reads = entry.touches - set(entry.binds)
+        if entry.touches & broken or any(reads - known - remade - before[r] for r in new):
+            broken |= set(entry.binds)  # (it uses what a failed re-run would have made, or
+            continue  # what only a cell that cannot be re-run made: it would fail)
         if entry.touches & copied:
             done.skipped.append((entry, entry.touches & copied))
             continue
@@ -239,17 +247,21 @@ def _run_all(pool, new: list[int], copied: frozenset[str], before: dict) -> _Rep
             continue
         left = deadline - time.monotonic()
         if left <= 0:
-            done.failed = (entry, f"the re-runs took over {BUDGET:g} s")
+            done.failed.append((entry, f"the re-runs took over {BUDGET:g} s"))
             break
         events = pool.run(entry.code, ranks=new, imports="\n".join(imports), timeout=left)
         end = drive(pool, events)
         imports = []
         pool.notes += end.notes
         failures = failures_of(end, pool.hosts)
-        if failures or end.interrupted or pool.needs_restart or any(r not in table for r in new):
+        gone = end.interrupted or pool.needs_restart or any(r not in table for r in new)
+        if failures or gone:
             how = failures[0].summary if failures else "interrupted, or the pool was stopped"
-            done.failed = (entry, how.splitlines()[0] if how else "it failed")
-            break
+            done.failed.append((entry, how.splitlines()[0] if how else "it failed"))
+            if gone:
+                break
+            broken |= set(entry.binds)  # (a cell of its own may still run: the next ones)
+            continue
         done.ran.append(entry)
         remade |= set(entry.binds)
     return done
@@ -271,8 +283,8 @@ def _said(pool, new, src: int | None, done: _Replay) -> list[str]:
     got = list(dict.fromkeys(n for n in made if all(n in now[r] for r in ranks)))
     notes = [deathnote.reran(ranks, labels, got)] if labels else []
     notes += [deathnote.not_reran(ranks, e.label, touched) for e, touched in done.skipped]
-    if done.failed is not None:
-        notes.append(deathnote.rerun_failed(ranks, done.failed[0].label, done.failed[1]))
+    for entry, how in done.failed:
+        notes.append(deathnote.rerun_failed(ranks, entry.label, how))
     source = None if src is None else table.get(src)
     if source is None:
         return notes
