@@ -9,6 +9,7 @@ Whatever happens, the sink is closed. No IPython here (the pool core uses it).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -16,7 +17,7 @@ from ..wire import protocol as P
 from .errors import CellInterrupted
 from .sigint import interrupts_cell
 
-__all__ = ["Sink", "drive"]
+__all__ = ["Sink", "drive", "own_cells"]
 
 
 class Sink(Protocol):
@@ -99,3 +100,17 @@ def _answer(pool: _Debugged, event: P.RankDebug, prompt: Prompt | None, closed: 
     if line is None:
         closed.add(event.rank)
     pool.debug_reply(event, line)
+
+
+@contextlib.contextmanager
+def own_cells(pool):
+    """The pool's own cells between the user's (a heal's copy, a new rank's re-runs, threads
+    set in place): the notes and the output that wait for the user's next cell stay its
+    own, said first; what these cells leave in ``pool.notes`` follows them."""
+    notes, pool.notes = pool.notes, []
+    backlog, pool.roster.backlog = pool.roster.backlog, []
+    try:
+        yield
+    finally:
+        pool.notes = notes + pool.notes
+        pool.roster.backlog = backlog + pool.roster.backlog

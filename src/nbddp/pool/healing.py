@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import time
 
+from . import rerun
 from .deathnote import Healed
+from .drive import own_cells
 from .errors import NbddpError
 
-__all__ = ["check_heal", "heal"]
+__all__ = ["check_heal", "heal", "renew"]
 
 
 def check_heal(heal, on_death: str) -> tuple[str, ...]:
@@ -40,6 +42,14 @@ def _one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def renew(pool, new: list[int]) -> tuple[Healed | None, list[str]]:
+    """New ranks (a dead rank's new process, a resize's): ``--heal`` first, then the cells
+    they can re-run alone (:func:`nbddp.pool.rerun.replay`); what the heal did, and the
+    re-runs' notes (for the caller to say after its own)."""
+    healed = heal(pool, new)
+    return healed, rerun.replay(pool, new, healed)
+
+
 def heal(pool, new: list[int]) -> Healed | None:
     """Copy ``pool.heal`` from the lowest survivor to the ``new`` ranks; what it did (None:
     nothing to heal). The notes the copy's own cells make stay the pool's."""
@@ -56,16 +66,11 @@ def heal(pool, new: list[int]) -> Healed | None:
     names = [n for n in names if n in has]
     if not names:
         return Healed(tuple(missing), src, 0.0, f"rank {src} has none of them")
-    # the copy's cells would take the notes and the output that wait for the next cell
-    notes, pool.notes = pool.notes, []
-    backlog, pool.roster.backlog = pool.roster.backlog, []
     t0 = time.monotonic()
     try:
-        done = pool.copy(names, src, new)
+        with own_cells(pool):  # (the copy's cells would take what waits for the next cell)
+            done = pool.copy(names, src, new)
     except (NbddpError, KeyboardInterrupt) as exc:
         error = "interrupted" if isinstance(exc, KeyboardInterrupt) else _one_line(exc)
         return Healed(tuple(names), src, time.monotonic() - t0, error)
-    finally:
-        pool.notes = notes + pool.notes
-        pool.roster.backlog = backlog + pool.roster.backlog
     return Healed(done.names, src, time.monotonic() - t0, "", done.rewrapped, tuple(missing))

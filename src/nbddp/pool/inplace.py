@@ -12,7 +12,7 @@ device, the group's timeout, the seed, subgroups, ...): :func:`needs_new` names 
 
 from __future__ import annotations
 
-from .drive import drive
+from .drive import drive, own_cells
 from .healing import check_heal
 from .outcome import raise_for_end
 
@@ -44,13 +44,8 @@ def _threads_on_ranks(pool, threads: str | None) -> None:
     """Every rank's threads now; the notes and output that wait for the next cell stay
     (as a heal's copy keeps them: nbddp.pool.healing), with this cell's own (a rank dead
     since the last cell is replaced first, and that is said with the next cell)."""
-    notes, pool.notes = pool.notes, []
-    backlog, pool.roster.backlog = pool.roster.backlog, []
     call = f"__import__('nbddp.rank.ddp', fromlist=['set_threads']).set_threads({threads!r})"
-    end = None
-    try:
+    with own_cells(pool):
         end = drive(pool, pool.run(call))
-        raise_for_end(end, pool.hosts)
-    finally:
-        pool.notes = notes + (list(end.notes) if end is not None else []) + pool.notes
-        pool.roster.backlog = backlog + pool.roster.backlog
+        pool.notes += end.notes
+    raise_for_end(end, pool.hosts)

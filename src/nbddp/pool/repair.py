@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..rank.gpus import pool_plan
 from ..wire import protocol as P
-from . import healing, hosts_lost, rebinding, recovery, rerun
+from . import healing, hosts_lost, rebinding, recovery
 from .errors import PoolClosedError, PoolStartError
 from .hub import Gone
 from .processes import rank_env
@@ -200,11 +200,9 @@ class PoolRepair:
         took, table = time.monotonic() - t0, self.roster.ranks
         fresh = {r: frozenset(h.name for h in table[r].held) | table[r].names for r in had}
         bound = rebinding.words(self.roster.ranks.values(), self.world_size, died=True)
-        healed = healing.heal(self, sorted(had))
+        healed, reran = healing.renew(self, sorted(had))  # (its cells set self.notes)
         facts = self.facts()
         self.notes += recovery.replaced_notes(facts, had, took, fresh, healed, code, bound)
-        # (not `self.notes += replay(...)`: replay's own cells set self.notes meanwhile)
-        reran = rerun.replay(self, sorted(had), healed)  # what the new ranks lack
         self.notes += reran
         for rank in sorted(had):
             yield P.RankState(rank, "replaced")

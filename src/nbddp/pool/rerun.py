@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from . import deathnote
-from .drive import drive
+from .drive import drive, own_cells
 from .outcome import failures_of
 
 __all__ = ["BUDGET", "Entry", "History", "record", "replay", "scan"]
@@ -210,14 +210,8 @@ def replay(pool, new: list[int], healed=None) -> list[str]:
     # never touched again: what --heal copied, or copies from a survivor (a resize heals none)
     copied = frozenset(getattr(pool, "heal", ()) or ()) | frozenset(healed.names if healed else ())
     before = {r: table[r].names for r in new}
-    notes, pool.notes = pool.notes, []  # the re-runs' cells would take them
-    backlog, pool.roster.backlog = pool.roster.backlog, []
-    try:
-        with history.pause():
-            done = _run_all(pool, new, copied, before)
-    finally:
-        pool.notes = notes + pool.notes
-        pool.roster.backlog = backlog + pool.roster.backlog
+    with own_cells(pool), history.pause():  # (the re-runs' cells would take the notes)
+        done = _run_all(pool, new, copied, before)
     return _said(pool, new, survivors[0] if survivors else None, done)
 
 

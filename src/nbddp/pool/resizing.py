@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..rank.gpus import gpu_notes
 from ..wire import protocol as P
 from ..wire.stacks import rank_set
-from . import healing, rebinding, rerun
+from . import healing, rebinding
 from .deathnote import Healed, healed_words
 from .errors import NbddpError, PoolStartError
 from .layout import check_backend, check_layout, check_log_dir
@@ -148,10 +148,8 @@ def resize(pool, n: int) -> Resized:
     if new:
         pool.generation += 1  # fresh namespaces: the notebook's imports are replayed
     bound = rebinding.words(pool.roster.ranks.values(), n)
-    healed = healing.heal(pool, list(new))  # (--heal: the new ranks get the named objects)
-    if new:
-        reran = rerun.replay(pool, list(new), healed)  # the cells they can re-run, alone
-        pool.notes += reran  # (after: replay's own cells set pool.notes meanwhile)
+    healed, reran = healing.renew(pool, list(new))  # (its cells set pool.notes meanwhile)
+    pool.notes += reran
     return Resized(old, n, time.monotonic() - t0, stopped, bound, healed)
 
 

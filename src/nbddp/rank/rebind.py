@@ -32,8 +32,9 @@ import sys
 import torch
 
 from ..wire import protocol as P
+from .copying import SHARDED as FULLY_SHARDED
 from .copying import bound_to_group, group_types
-from .wrap import DDP, options_of, wrap
+from .wrap import DDP, cannot_remake, options_of, wrap
 
 __all__ = ["Rebound", "rebind", "stale_kind"]
 
@@ -64,7 +65,7 @@ def _sharded(obj: object) -> bool:
 def stale_kind(obj: object, types: dict) -> tuple[str, str] | None:
     """(kind, what it is) for an object bound to a process group, else None."""
     what = bound_to_group(obj, {cls: w for cls, w in types.items() if cls is not DDP})
-    if what == "a module sharded with fully_shard" or (what is None and _sharded(obj)):
+    if what == FULLY_SHARDED or (what is None and _sharded(obj)):
         return SHARDED, what or "a module with DTensor parameters"
     if what is not None:
         return GROUP, what
@@ -75,12 +76,8 @@ def _why_not(ddp: DDP, groups: dict) -> str:
     """Why ``ddp`` cannot be made again here ('' when it can)."""
     if ddp.process_group not in groups:
         return "a DDP wrapper over a process group the cell made"
-    if getattr(ddp, "_comm_hooks", None):
-        return "a DDP wrapper with a communication hook"
-    if getattr(ddp, "mixed_precision", None) is not None:
-        return "a DDP wrapper with mixed precision"
-    if getattr(ddp, "_delay_all_reduce_params", None):
-        return "a DDP wrapper with delayed all-reduces"
+    if why := cannot_remake(ddp):
+        return f"a DDP wrapper that {why}"
     if not _INIT_SYNC:
         return "a DDP wrapper (this torch wraps only with a collective)"
     return ""

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-__all__ = ["DDP", "ddp_options", "options_of", "rewrap", "wrap"]
+__all__ = ["DDP", "cannot_remake", "ddp_options", "options_of", "rewrap", "wrap"]
 
 
 def _refuse(name: str, why: str) -> TypeError:
@@ -40,13 +40,22 @@ def ddp_options(name: str, ddp) -> dict:
     if ddp.process_group.size() != dist.get_world_size():
         size = f"{ddp.process_group.size()} of {dist.get_world_size()}"
         raise _refuse(name, f"is over a subgroup ({size} ranks)")
+    why = cannot_remake(ddp)
+    if why:
+        raise _refuse(name, why)
+    return options_of(ddp)
+
+
+def cannot_remake(ddp) -> str:
+    """Why ``ddp`` cannot be made again from :func:`options_of` ('' when it can): what it
+    has beyond them (a hook, mixed precision, delayed all-reduces)."""
     if getattr(ddp, "_comm_hooks", None):
-        raise _refuse(name, "has a communication hook (register_comm_hook)")
+        return "has a communication hook (register_comm_hook)"
     if getattr(ddp, "mixed_precision", None) is not None or getattr(
         ddp, "_delay_all_reduce_params", None
     ):
-        raise _refuse(name, "has mixed precision or delayed all-reduces")
-    return options_of(ddp)
+        return "has mixed precision or delayed all-reduces"
+    return ""
 
 
 def options_of(ddp) -> dict:
