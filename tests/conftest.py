@@ -28,6 +28,7 @@ from cpu_machine import CpuMachine, cuda_last, is_cuda
 from helpers import healthy
 from nbddp import Pool
 from scheduling import in_worker_order, module_scheduling
+from tiers import sizes
 
 MACHINE = CpuMachine()
 
@@ -43,15 +44,29 @@ def pytest_unconfigure(config) -> None:
 
 def pytest_collection_modifyitems(config, items) -> None:
     """cuda tests last; in pytest-xdist's workers, the modules in their order
-    (tests/scheduling.py). A run without workers keeps the files' order. ``slow`` tests
-    are skipped unless ``-m`` names them."""
+    (tests/scheduling.py). A run without workers keeps the files' order. Deselected: the
+    ``slow`` tier unless ``-m`` selects (``pytest -m slow`` runs it), and a test marked
+    ``at_sizes`` at the pool sizes it does not name."""
     if hasattr(config, "workerinput"):
         items[:] = in_worker_order(items)
     items[:] = cuda_last(items)
-    if "slow" not in (config.option.markexpr or ""):  # many runs of a racy case: -m slow
-        for item in items:
-            if item.get_closest_marker("slow"):
-                item.add_marker(pytest.mark.skip(reason="slow: run with -m slow"))
+    tier = not config.option.markexpr  # (-m chooses for itself)
+    drop = [i for i in items if (tier and i.get_closest_marker("slow")) or not at_its_size(i)]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        dropped = set(map(id, drop))
+        items[:] = [i for i in items if id(i) not in dropped]
+
+
+def at_its_size(item) -> bool:
+    """False for a test marked ``at_sizes(3, ..., fixture="pool_of_size")`` parametrized by
+    that fixture at a size it does not name (it runs once, or at the sizes it can)."""
+    mark = item.get_closest_marker("at_sizes")
+    if mark is None:
+        return True
+    fixture = mark.kwargs.get("fixture", "pool_of_size")
+    size = getattr(item, "callspec", None) and item.callspec.params.get(fixture)
+    return size is None or size in mark.args
 
 
 @pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist's: not called without it)
@@ -75,9 +90,10 @@ def shared_pool():
 SIZES = (2, 3, 4, 8)  # the world sizes failure, output and data tests run at
 
 
-@pytest.fixture(scope="module", params=SIZES, ids=[f"{n}ranks" for n in SIZES])
+@pytest.fixture(scope="module", params=sizes(*SIZES))
 def pool_of_size(request):
-    """A pool of each size in SIZES, shared by the module's tests (healthy: check it)."""
+    """A pool of each size in SIZES, shared by the module's tests (healthy: check it).
+    The default run has 3 and 8 ranks; ``-m slow`` the others."""
     with Pool(request.param) as pool:
         yield pool
 
@@ -143,14 +159,22 @@ def notebook7(tmp_path, request):
         yield f"{base}/notebooks/dash.ipynb?token={token}", tmp_path
 
 
-@pytest.fixture
-def browser(tmp_path):
-    from helpers import chromium
+@pytest.fixture(scope="session")
+def browser(tmp_path_factory):
+    """One headless Chromium for the run (each pytest-xdist worker's): a test opens pages
+    of its own (playwright's sync API drives one browser at a time in a process)."""
+    from helpers import CHROMIUM, chromium
 
-    with chromium(tmp_path) as browser:
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("needs Debian's chromium")
+    pytest.importorskip("playwright.sync_api", reason="needs playwright")
+    with chromium(tmp_path_factory.mktemp("chromium")) as browser:
         yield browser
 
 
 @pytest.fixture
 def page(browser):
-    return browser.new_page(viewport={"width": 1280, "height": 1000})
+    """A page of its own for the test, closed after it."""
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    yield page
+    page.close()

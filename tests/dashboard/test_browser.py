@@ -25,6 +25,7 @@ from browser_kit import (
     screenshot_after,
     svg_class,
 )
+from tiers import slow
 
 pytestmark = SKIPS
 
@@ -57,6 +58,7 @@ CELLS_16 = [
 ]
 
 
+@slow
 @pytest.mark.timeout(300)
 def test_a_rank_of_four_failing_before_a_collective_ends_the_cell_with_its_row_red(lab, page):
     expect = playwright.expect
@@ -106,6 +108,7 @@ def test_a_rank_of_four_failing_before_a_collective_ends_the_cell_with_its_row_r
         expect(everyone.locator(".nbddp-pane")).to_contain_text("[0-3] hello from rank {0-3}")
 
 
+@slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lab", [CELLS_16], indirect=True)
 def test_sixteen_ranks_fold_their_lines_and_the_failed_rank_stands_out(lab, page):
@@ -146,6 +149,7 @@ CELLS_PDB = [
 ]
 
 
+@slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lab", [CELLS_PDB], indirect=True)
 def test_a_breakpoint_in_a_rank_asks_in_the_cells_input_box(lab, page):
@@ -292,6 +296,7 @@ def picture(name: str) -> Path:
     return ARTIFACTS / name
 
 
+@slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lab", [CELLS_SHOWCASE], indirect=True)
 def test_a_training_cell_shows_one_folded_bar_and_a_folded_lines_values_a_click_away(lab, browser):

@@ -32,10 +32,12 @@ from browser_kit import (
     svg_texts,
 )
 from helpers import open_notebook, run_all_cells
+from tiers import slow
 
 pytestmark = SKIPS
 
 
+@slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lab", [CELLS_METRICS], indirect=True)
 def test_four_ranks_logging_two_metrics_draw_a_line_per_rank_live_then_frozen(lab, page):
@@ -98,6 +100,7 @@ def frozen_band_with_rank_7_outlying(frozen) -> None:
     assert acc_image.get_attribute("alt").startswith("[ranks 0-15] acc @ step 499: median ")
 
 
+@slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lab", [CELLS_METRICS_16], indirect=True)
 def test_sixteen_ranks_draw_a_band_and_a_median_and_name_the_outlying_rank(lab, page):

@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 
 from browser_kit import ARTIFACTS, SKIPS, notebook_root, playwright, readable
-from helpers import chromium, jupyter_server, open_notebook, run_all_cells, svg_of
+from helpers import jupyter_server, open_notebook, run_all_cells, svg_of
 from nbddp.dashboard.charts import WIDTH
+from tiers import slow
 
-pytestmark = SKIPS
+pytestmark = [*SKIPS, slow]  # (the default run reads the dashboard in test_browser*)
 
 CELLS = [
     "%load_ext nbddp",
@@ -53,16 +54,10 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def shared_browser(tmp_path_factory):
-    with chromium(tmp_path_factory.mktemp("chromium")) as browser:
-        yield browser
-
-
-@pytest.fixture(scope="module")
-def tab(server, shared_browser):
+def tab(server, browser):
     """One page on JupyterLab's notebook for the module's tests, in order."""
     base, token, _ = server
-    page = shared_browser.new_page(viewport={"width": 1280, "height": 1000})
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
     open_notebook(page, f"{base}/lab/tree/dash.ipynb?token={token}")
     yield page
     page.close()
@@ -192,14 +187,14 @@ def saved(page, root: Path) -> Path:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("theme", ["light", "dark"])
-def test_nbconvert_html_reads_at_wcag_aa(tab, server, shared_browser, theme, tmp_path):
+def test_nbconvert_html_reads_at_wcag_aa(tab, server, browser, theme, tmp_path):
     from nbconvert import HTMLExporter
 
     if not tab.locator(".nbddp-summary").count():
         run_and_check(tab, "JupyterLab", dark=False)
     body, _ = HTMLExporter(template_name="lab", theme=theme).from_filename(saved(tab, server[2]))
     (tmp_path / "dash.html").write_text(body)
-    page = shared_browser.new_page()
+    page = browser.new_page()
     try:
         page.route(re.compile(r"^https?://"), lambda route: route.abort())  # no network
         page.goto((tmp_path / "dash.html").as_uri(), wait_until="domcontentloaded")
@@ -216,9 +211,9 @@ def test_nbconvert_html_reads_at_wcag_aa(tab, server, shared_browser, theme, tmp
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(find_spec("notebook") is None, reason="needs notebook 7 (the browser extras)")
-def test_notebook_7_dark_reads_at_wcag_aa_live_and_frozen(server, shared_browser, tmp_path):
+def test_notebook_7_dark_reads_at_wcag_aa_live_and_frozen(server, browser, tmp_path):
     _, _, root = server
-    page = shared_browser.new_page(viewport={"width": 1280, "height": 1000})
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
     with jupyter_server(tmp_path, root, app="notebook") as (base, token):
         try:
             open_notebook(page, f"{base}/notebooks/dash.ipynb?token={token}")

@@ -38,6 +38,7 @@ from nbddp.dashboard.metric_store import POINTS, CellMetrics, Line, MetricStore
 from nbddp.dashboard.sinks import METRICS_EVERY, TextSink
 from nbddp.dashboard.view import Dashboard
 from nbddp.pool.drive import drive
+from nbddp.rank import metrics as rank_metrics
 from nbddp.wire import protocol as P
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -505,10 +506,28 @@ def test_bad_input_raises_one_line_type_error_naming_what(call, says):
     ],
     ids=repr,
 )
-def test_numbers_of_every_kind_are_accepted(value):
+def test_numbers_of_every_kind_are_accepted(value, monkeypatch):
+    """Each kind is kept as the float it is, at the step given (or the next one), on a
+    rank (its metrics sent as they are at the cell's end) as outside one (checked alike)."""
+    nbddp.log_metrics({"loss": value}, step=3)  # outside a worker: checked, not kept
+    sent: list = []
+    monkeypatch.setattr(rank_metrics, "_send", sent.append)  # as a worker's attach() does
     nbddp.log_metrics({"loss": value}, step=3)
     nbddp.log_metrics({"loss": value}, step=np.int64(4), run="x")
     nbddp.log_metrics({"loss": value})
+    rank_metrics.flush()
+    (message,) = sent  # one Metrics message: the cell's end
+    got = {
+        (run, name): (list(array("q", steps)), list(array("d", values)))
+        for run, name, steps, values in message.series
+    }
+    want = float(value)
+    for run, steps in ((None, [3, 4]), ("x", [4])):
+        kept_steps, kept = got.pop((run, "loss"))
+        assert kept_steps == steps
+        assert all(type(v) is float for v in kept)
+        assert all(v == want or (math.isnan(v) and math.isnan(want)) for v in kept), kept
+    assert got == {}
 
 
 def test_a_name_that_is_not_a_str_is_refused_outside_a_worker_as_on_a_rank():

@@ -28,7 +28,6 @@ import pytest
 from helpers import (
     CHROMIUM,
     WIDGET_MANAGER,
-    chromium,
     frozen_charts,
     jupyter_server,
     open_notebook,
@@ -37,6 +36,7 @@ from helpers import (
     svg_of,
 )
 from nbddp.dashboard.charts import HEIGHT, WIDTH
+from tiers import slow
 
 CELLS = [
     "%load_ext nbddp",
@@ -204,18 +204,9 @@ def test_nbconvert_html_as_nbviewer_renders_it_holds_the_charts(executed, tmp_pa
             tab.close()
 
 
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    """One headless Chromium for the module's tests (playwright's sync API allows one at
-    a time, and the saved notebook's views are module fixtures)."""
-    if not os.path.exists(CHROMIUM):
-        pytest.skip("needs Debian's chromium")
-    pytest.importorskip("playwright.sync_api", reason="needs playwright")
-    with chromium(tmp_path_factory.mktemp("chromium")) as browser:
-        yield browser
-
-
-@pytest.fixture(scope="module", params=["jupyterlab", "notebook"], ids=["lab", "nb7"])
+@pytest.fixture(
+    scope="module", params=["jupyterlab", pytest.param("notebook", marks=slow)], ids=["lab", "nb7"]
+)
 def saved_view(request, executed, browser, tmp_path_factory):
     """The saved notebook opened, not run, in JupyterLab or Notebook 7: its %%ddp cell's
     text/html output. No widget model exists; the notebook is not trusted."""
@@ -290,6 +281,7 @@ CELLS_RUNNING = [
 NO_WIDGETS_JS = """() => window.jupyterapp.listPlugins().filter(id => id.startsWith('WM'))"""
 
 
+@slow
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(

@@ -24,6 +24,7 @@ from test_kernel import execute, kernels, restarted  # noqa: F401
 from helpers import detached_family, end_all, free_port, wait_gone
 from nbddp.hosts import relay
 from nbddp.notebook import remote
+from tiers import sizes
 
 pytestmark = pytest.mark.kernel
 
@@ -73,7 +74,7 @@ def sums(kc, n: int) -> str:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", sizes(2, 4, ids="{}"))
 def test_an_attached_detached_pool_outlives_a_kernel_restart_and_a_crash(
     kernels,  # noqa: F811
     tmp_path,

@@ -39,6 +39,7 @@ from nbddp.pool.errors import CellFailed, CellInterrupted, NbddpError, PoolClose
 from nbddp.pool.facade import raise_for_end
 from nbddp.wire import protocol as P
 from nbddp.wire.frames import Channel
+from tiers import sizes
 
 SIZES = [2, 4, 8]
 SUM = "import torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
@@ -90,7 +91,7 @@ def stop_and_check(held: Held) -> None:
         held.family.clean()
 
 
-@pytest.fixture(scope="module", params=SIZES, ids=[f"{n}ranks" for n in SIZES])
+@pytest.fixture(scope="module", params=sizes(*SIZES))
 def sized(request, home):
     held = Held(f"s{request.param}", request.param, grace=1.0)
     yield held
@@ -588,7 +589,7 @@ CLIENT = "import sys\nfrom nbddp import Pool\nPool.connect(sys.argv[1]).execute(
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sized", SIZES, indirect=True, ids=[f"{n}ranks" for n in SIZES])
+@pytest.mark.parametrize("sized", sizes(*SIZES), indirect=True)
 def test_a_client_killed_mid_cell_and_the_next_one_never_mixes_cells(detached):
     """A process using Pool.connect is SIGKILLed while its cell runs; a new one connects:
     each request gets its own answer, the old cell's end is kept for resume(), stop's
@@ -627,7 +628,7 @@ def test_a_client_killed_mid_cell_and_the_next_one_never_mixes_cells(detached):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sized", SIZES, indirect=True, ids=[f"{n}ranks" for n in SIZES])
+@pytest.mark.parametrize("sized", sizes(*SIZES), indirect=True)
 def test_a_run_left_early_or_never_read_is_ended_before_the_next_request(detached):
     """Breaking out of run() mid-cell, and a run() whose events are never read (Ctrl-C
     between run and the sink): the next request gets its own answer, the cell left is

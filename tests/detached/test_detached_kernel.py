@@ -17,6 +17,7 @@ import pytest
 from test_kernel import execute, kernels, one_usage_error, ranks_printing  # noqa: F401
 
 from helpers import NAMESPACE_DIGEST, detached_family, wait_gone
+from tiers import sizes
 
 pytestmark = pytest.mark.kernel
 
@@ -54,7 +55,7 @@ def digest(kc) -> list[dict[str, str]]:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", sizes(2, 4, ids="{}"))
 def test_a_kernel_killed_mid_cell_then_a_second_kernel_lose_nothing(kernels, n):  # noqa: F811
     name = f"kn{n}"
     km_a, a = kernels()

@@ -33,16 +33,22 @@ from nbddp.notebook.session import SESSION
 from nbddp.pool.hosts_lost import HostsMissing
 from nbddp.wire import protocol as P
 from nbddp.wire.stacks import rank_set
+from tiers import slow
 
 SHOW_X = "print(rank, globals().get('x'))"
+# a re-form's wait for new processes longer than any test here: a test that passes did not
+# wait for it (before, wall-clock bounds said so, and could fail on a busy machine)
+NO_WAIT = 600
 
 
 @contextlib.contextmanager
-def sim_hosts(hosts: int, per_host: int):
+def sim_hosts(hosts: int, per_host: int, start_timeout: float = 60):
     """(pool, start(ranks)): ``hosts`` simulated hosts of held ranks, one process and one
-    relay each; ``start(ranks)`` starts those ranks again, as a replacement host."""
+    relay each; ``start(ranks)`` starts those ranks again, as a replacement host.
+    ``start_timeout`` is also how long a re-form waits for new processes: a test that
+    must see no such wait makes it longer than its own timeout."""
     world, token = hosts * per_host, secrets.token_bytes(16)
-    pool = Pool(world, listen=("127.0.0.1", 0), token=token, start_timeout=60)
+    pool = Pool(world, listen=("127.0.0.1", 0), token=token, start_timeout=start_timeout)
     address, sims = pool.listen(), []
 
     def start(ranks: range | None = None) -> list:
@@ -81,10 +87,12 @@ def shown(pool) -> dict[int, str]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("hosts", "per_host"), [(2, 8), (3, 4)], ids=["2x8", "3x4"])
+@pytest.mark.parametrize(
+    ("hosts", "per_host"), [(2, 8), pytest.param(3, 4, marks=slow)], ids=["2x8", "3x4"]
+)
 def test_a_lost_host_waits_and_its_ranks_rejoin_from_a_replacement(hosts, per_host):
     world, lost = hosts * per_host, range(per_host, 2 * per_host)
-    with sim_hosts(hosts, per_host) as (pool, sims, start):
+    with sim_hosts(hosts, per_host, start_timeout=NO_WAIT) as (pool, sims, start):
         pool.execute("x = rank * 10")
         lose_host(pool, sims[1], per_host)
         deadline = time.monotonic() + 30
@@ -94,10 +102,8 @@ def test_a_lost_host_waits_and_its_ranks_rejoin_from_a_replacement(hosts, per_ho
         rows = [(s.rank, s.host) for s in pool.status() if s.state == "missing"]
         assert rows == [(r, "sim1") for r in lost]
         assert "of host sim1 are missing" in reports.status(pool).splitlines()[-1]
-        t0 = time.monotonic()
         with pytest.raises(HostsMissing, match=rf"ranks {per_host}-{2 * per_host - 1} of host"):
-            pool.execute("x = None")
-        assert time.monotonic() - t0 < 10, "refused at once, not after a wait"
+            pool.execute("x = None")  # at once: a wait for the ranks would outlast the test
         start(lost)
         wait_rejoined(pool, 60, "the replacement's ranks were not taken")
         _, _, end = collect(pool.run("1"))
@@ -112,7 +118,10 @@ def test_a_lost_host_waits_and_its_ranks_rejoin_from_a_replacement(hosts, per_ho
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("hosts", "per_host"), [(2, 2), (3, 3), (2, 4), (2, 8)])
+@pytest.mark.parametrize(
+    ("hosts", "per_host"),
+    [pytest.param(2, 2, marks=slow), (3, 3), pytest.param(2, 4, marks=slow), (2, 8)],
+)
 def test_a_host_whose_ranks_end_before_its_relay_is_lost_not_late(hosts, per_host):
     """A host killed process by process, its ranks before its relay: the notebook reads its
     ranks' ends first (plain deaths: their holders should fork new processes) and starts
@@ -120,17 +129,15 @@ def test_a_host_whose_ranks_end_before_its_relay_is_lost_not_late(hosts, per_hos
     the re-form waited 60 s for processes that could not come, then stopped the pool and
     every rank's state with it). A replacement brings them back, the others kept x."""
     world, lost = hosts * per_host, range(per_host, 2 * per_host)
-    with sim_hosts(hosts, per_host) as (pool, sims, start):
+    with sim_hosts(hosts, per_host, start_timeout=NO_WAIT) as (pool, sims, start):
         pool.execute("x = rank * 10")
         relay = next(r for r in pool.hub.relays if r.ranks and min(r.ranks) == per_host)
         sims[1].kill()
         sims[1].wait(30)
         time.sleep(0.5)  # (the relay tells the notebook its ranks ended)
         threading.Timer(1.0, os.kill, (relay.pid, signal.SIGKILL)).start()
-        t0 = time.monotonic()
         with pytest.raises(HostsMissing, match=rf"{rank_set(lost)} of host sim1 are missing"):
             pool.execute("x = None")  # its mend reads the deaths while the relay still runs
-        assert time.monotonic() - t0 < 15, "missing once the relay ended, not after 60 s"
         said = " ".join(pool.take_notes())
         assert "host sim1 (ranks" in said, said
         assert "was lost" in said, said
@@ -210,7 +217,7 @@ def test_while_a_hosts_ranks_are_missing_each_command_says_so_or_works_on_the_ot
     the missing ranks and host, with nothing run or lost (never `no pool is running`, and
     never a start that waits for ranks that cannot come); a replacement brings them back,
     and the others kept their values (simulated ranks: no value comes back, so no copy)."""
-    with sim_hosts(2, 2) as (pool, sims, start):
+    with sim_hosts(2, 2, start_timeout=NO_WAIT) as (pool, sims, start):
         SESSION.pool = pool
         pool.execute("x = rank * 10")
         events = pool.run("import time\ntime.sleep(2)")
@@ -223,7 +230,7 @@ def test_while_a_hosts_ranks_are_missing_each_command_says_so_or_works_on_the_ot
         assert frozen["text/html"].count("missing (host sim1 lost)") == 2, frozen["text/html"]
         assert "rank 3: missing (host sim1 lost)" in frozen["text/plain"], frozen["text/plain"]
         assert "[nbddp] ranks 2, 3: missing (host sim1 lost)" in text, text
-        shell.user_ns["x"], t0 = 1, time.monotonic()
+        shell.user_ns["x"] = 1  # (each refused at once: a wait for the ranks outlasts the test)
         for line in (
             "%ddp copy x --from 0 --to 2",
             "%ddp debug --rank 0",
@@ -236,7 +243,6 @@ def test_while_a_hosts_ranks_are_missing_each_command_says_so_or_works_on_the_ot
             _, error = magic(shell, capsys, line)
             assert re.search(MISSING, error), f"{line}: {error!r}"
             assert "\n" not in error, error
-        assert time.monotonic() - t0 < 30, "refused at once, not after waiting for the ranks"
         printed, error = magic(shell, capsys, "%ddp status")
         assert not error, error
         assert printed.count(" missing ") == 2, printed
@@ -296,7 +302,7 @@ def detached_sim_hosts(name: str, hosts: int, per_host: int, token_file: str):
             world,
             attach={"token_file": token_file, "tls": False},
             listen=("127.0.0.1", 0),
-            start_timeout=60,
+            start_timeout=NO_WAIT,
             watch=watch,
         )
         with detached_family(name):  # (what a failed test left of it: stopped, removed)
@@ -345,13 +351,11 @@ def test_a_detached_attached_pool_says_which_ranks_are_missing_and_takes_them_ba
             assert time.monotonic() < deadline, f"never shown missing: {printed}"
         assert printed.count(" missing ") == 2, printed
         assert "ranks 2, 3 of host sim1 are missing" in printed.splitlines()[-1], printed
-        t0 = time.monotonic()
-        for line in ("%%ddp\nx = None", "%ddp copy x --from 0 --to 2"):
+        for line in ("%%ddp\nx = None", "%ddp copy x --from 0 --to 2"):  # (at once, as above)
             printed, error = magic(shell, capsys, line)
             assert re.search(MISSING, error), f"{line}: {error!r} {printed!r}"
             assert "\n" not in error, error
             assert printed.strip() == f"UsageError: {error}", printed  # (no start, no traceback)
-        assert time.monotonic() - t0 < 30, "refused at once, not after waiting for the ranks"
         assert not pool.closed
         _stacks_then_rejoin(shell, capsys, pool, start)
         SESSION.pool = None

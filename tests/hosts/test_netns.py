@@ -27,6 +27,7 @@ from nbddp.notebook import remote, reports
 from nbddp.pool.hosts_lost import HostsMissing
 from nbddp.wire.tls import make_server_tls
 from netns import NOTEBOOK_IP, kill_host, make_nodes, needs_netns, on_node
+from tiers import slow
 
 pytestmark = needs_netns
 
@@ -101,7 +102,7 @@ def attached_pool(nodes, folder, *, per_node=1, tls=False, workspace=None):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("tls", [False, True], ids=["mac", "tls"])
+@pytest.mark.parametrize("tls", [False, pytest.param(True, marks=slow)], ids=["mac", "tls"])
 def test_ranks_on_two_hosts_attach_reduce_and_stop(nodes, tmp_path, tls):
     with attached_pool(nodes[:2], tmp_path, tls=tls) as (pool, procs):
         assert [s.host for s in pool.status()] == ["node-a", "node-b"]
@@ -152,6 +153,7 @@ def entries(ws: str, prefix: str) -> list[str]:
     return sorted(e for e in os.listdir(ws) if e.startswith(prefix))
 
 
+@slow
 @pytest.mark.timeout(300)
 def test_workspace_carries_weights_from_one_host_to_another(shared):
     pool, ws = shared
@@ -188,6 +190,7 @@ got
     assert entries(ws, ".rank_") == [], "no temp file is left beside the state files"
 
 
+@slow
 @pytest.mark.timeout(300)
 def test_gather_objects_through_the_workspace_and_the_group(shared):
     pool, ws = shared
@@ -219,6 +222,7 @@ def sources(got):
     assert entries(ws, "gather-") == [], "the first rank removed the gather folders"
 
 
+@slow
 @pytest.mark.timeout(300)
 def test_copy_goes_through_the_workspace_between_hosts(shared):
     pool, ws = shared
@@ -242,6 +246,7 @@ def test_copy_goes_through_the_workspace_between_hosts(shared):
     assert entries(ws, "copy-") == []
 
 
+@slow
 @pytest.mark.timeout(300)
 def test_a_reader_on_another_host_never_reads_a_partial_write(shared):
     """Rank 1 (node-a) rewrites its 4 MB state for 3 s while rank 2 (node-b) reads it."""
@@ -303,6 +308,7 @@ result
 HOLDERS = "(__import__('socket').gethostname(), __import__('os').getppid())"
 
 
+@slow
 @pytest.mark.timeout(300)
 def test_a_killed_rank_is_replaced_on_its_host_and_every_other_rank_keeps_its_state(shared):
     """SIGKILL rank 3 (node-b): its holder on node-b forks a new rank 3 there, the group is
@@ -361,7 +367,11 @@ REDUCE = "_t = torch.ones(1) * (rank + 1)\ntorch.distributed.all_reduce(_t)\n_t.
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(
     ("hosts", "per_host", "in_a_cell"),
-    [(2, 2, False), (3, 2, True), (2, 4, False)],
+    [  # the default run: 3 hosts, in a collective; the slow tier: the others
+        pytest.param(2, 2, False, marks=slow),
+        (3, 2, True),
+        pytest.param(2, 4, False, marks=slow),
+    ],
     ids=["2x2-between-cells", "3x2-in-all_reduce", "2x4-between-cells"],
 )
 def test_a_lost_host_rejoins_from_a_replacement_host(nodes, tmp_path, hosts, per_host, in_a_cell):
@@ -411,6 +421,7 @@ def test_a_lost_host_rejoins_from_a_replacement_host(nodes, tmp_path, hosts, per
         assert pool.execute(REDUCE) == [world * (world + 1) / 2] * world
 
 
+@slow
 @pytest.mark.timeout(300)
 def test_a_killed_relay_makes_its_hosts_ranks_missing_and_they_rejoin_on_that_host(nodes, tmp_path):
     """2 hosts x 2: only node-b's relay SIGKILLed (its ranks' one way to the notebook): its
@@ -438,6 +449,7 @@ def test_a_killed_relay_makes_its_hosts_ranks_missing_and_they_rejoin_on_that_ho
         assert pool.execute(REDUCE) == [10.0] * 4
 
 
+@slow
 @pytest.mark.timeout(300)
 def test_a_host_killed_ranks_first_is_missing_not_waited_for(nodes, tmp_path):
     """2 hosts x 4: node-b's torchrun, holders and ranks SIGKILLed, then its relay a second
@@ -464,6 +476,7 @@ def test_a_host_killed_ranks_first_is_missing_not_waited_for(nodes, tmp_path):
         assert pool.execute(REDUCE) == [36.0] * 8
 
 
+@slow
 @pytest.mark.timeout(300)
 def test_a_lost_host_that_held_torchruns_store_stops_the_pool_and_says_why(nodes, tmp_path):
     """node-a held torchrun's store (node rank 0): the others cannot meet again."""
@@ -475,6 +488,7 @@ def test_a_lost_host_that_held_torchruns_store_stops_the_pool_and_says_why(nodes
         assert "start torchrun again and attach again" in said, said
 
 
+@slow
 @pytest.mark.timeout(300)
 def test_a_host_of_one_rank_is_replaced_on_it_and_when_lost_waits_and_rejoins(nodes, tmp_path):
     """2 hosts x 1 rank: the rank alone on node-b SIGKILLed is replaced there (its relay waits

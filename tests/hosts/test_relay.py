@@ -31,6 +31,7 @@ from nbddp.pool.facade import raise_for_end
 from nbddp.wire import frames as wire
 from nbddp.wire import handshake as HS
 from nbddp.wire import protocol as P
+from tiers import sizes
 
 
 def relay_folders(where: str) -> set[str]:
@@ -162,7 +163,7 @@ def hosts(monkeypatch):
     os.rmdir(where)
 
 
-@pytest.mark.parametrize("per_host", [2, 3, 4, 8])
+@pytest.mark.parametrize("per_host", sizes(2, 3, 4, 8, ids="{}"))
 def test_every_line_of_every_rank_is_in_before_its_cell_ends(hosts, per_host):
     pool = hosts(per_host)
     assert len(pool.hub.relays) == 2  # one connection per host, not three per rank
@@ -181,7 +182,7 @@ def test_every_line_of_every_rank_is_in_before_its_cell_ends(hosts, per_host):
             assert text[rank, "stderr"] == f"err {rank}\n"
 
 
-@pytest.mark.parametrize("per_host", [2, 3, 4, 8])
+@pytest.mark.parametrize("per_host", sizes(2, 3, 4, 8, ids="{}"))
 def test_a_relay_that_dies_mid_cell_ends_the_cell_with_its_hosts_ranks(hosts, per_host):
     pool = hosts(per_host)
     victim = next(r for r in pool.hub.relays if r.host and min(r.ranks) == per_host)
@@ -199,7 +200,7 @@ def test_a_relay_that_dies_mid_cell_ends_the_cell_with_its_hosts_ranks(hosts, pe
     subprocess.run(["rm", "-rf", folder], check=True)  # SIGKILL left it; the next run reuses it
 
 
-@pytest.mark.parametrize("per_host", [2, 3, 4, 8])
+@pytest.mark.parametrize("per_host", sizes(2, 3, 4, 8, ids="{}"))
 def test_a_rank_that_dies_behind_a_relay_ends_the_cell_and_the_others_are_stopped(hosts, per_host):
     pool = hosts(per_host)
     gone = per_host + 1  # on the second host, beside ranks that stay
@@ -249,7 +250,7 @@ def test_hosts_that_start_before_the_notebook_listens_wait_for_it():
 # ---------------------------------------------------------------- torchrun through relays
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4, 8])
+@pytest.fixture(scope="module", params=sizes(2, 3, 4, 8, ids="{}"))
 def node(request, tmp_path_factory):
     """One torchrun node of N ranks attached to a pool: its ranks share one relay."""
     n = request.param

@@ -33,6 +33,7 @@ from nbddp import Pool
 from nbddp.notebook import remote
 from nbddp.pool.hosts_lost import HostsMissing
 from netns import NOTEBOOK_IP, kill_host, make_nodes, needs_netns, on_node
+from tiers import slow
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo")
 pytestmark = [
@@ -175,6 +176,7 @@ ON_RANKS = (
 )
 
 
+@slow
 @pytest.mark.kernel
 @pytest.mark.timeout(420)
 def test_a_detached_pool_of_a_slurm_job_outlives_a_kernel_restart(

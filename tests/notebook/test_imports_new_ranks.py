@@ -19,6 +19,7 @@ import time
 import pytest
 
 from helpers import nbddp_shell, wait_gone
+from tiers import sizes
 
 LR = 0.001
 
@@ -61,7 +62,7 @@ def _lr(shell, run) -> tuple[list[float], str]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("n", sizes(2, 3, 8, ids="{}"))
 def test_a_survivors_rebinding_of_an_imported_name_outlives_a_death_and_a_resize(
     shell, run, cfgmod, n
 ):

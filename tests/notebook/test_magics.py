@@ -14,6 +14,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from helpers import namespace_digests, wait_gone
 from nbddp.wire.stacks import rank_set
+from tiers import sizes
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def test_the_core_example_end_to_end(shell, run):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("n", sizes(2, 3, 4, 8, ids="{}"))
 def test_a_death_that_ddp_status_reads_is_replaced_by_the_next_cell(shell, run, n):
     """A rank SIGKILLed between cells, then `%ddp status` (which reads its death): the next
     cell replaces that rank and every other rank keeps its namespace (before, the session

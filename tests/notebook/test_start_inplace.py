@@ -15,6 +15,7 @@ from IPython.core.error import UsageError
 from helpers import namespace_digests, nbddp_shell, wait_gone
 from nbddp.notebook.session import SESSION
 from nbddp.rank.ddp import threads_for
+from tiers import sizes
 
 TRAIN = (
     "%%ddp -n {n} --quiet\n"
@@ -34,7 +35,7 @@ def shell():
         yield sh
 
 
-@pytest.fixture(scope="module", params=[3, 2], ids=["3ranks", "2ranks"])
+@pytest.fixture(scope="module", params=sizes(3, 2))
 def size(request):
     """The world size (module-scoped: the tests of one size run together, one pool)."""
     return request.param

@@ -20,6 +20,7 @@ from nbddp.pool.errors import CellFailed, RankDied
 from nbddp.pool.facade import raise_for_end
 from nbddp.wire import protocol as P
 from nbddp.wire.stacks import rank_set
+from tiers import sizes
 
 SIZES = [2, 3, 4, 8]
 KILLED = 1
@@ -35,7 +36,7 @@ STEP = (
 )
 
 
-@pytest.fixture(scope="module", params=SIZES, ids=[f"{n}ranks" for n in SIZES])
+@pytest.fixture(scope="module", params=sizes(*SIZES))
 def sized_pool(request):
     with Pool(request.param, grace=1.0) as pool:
         yield pool

@@ -26,6 +26,7 @@ from nbddp.pool.errors import CellFailed, CellInterrupted
 from nbddp.pool.facade import raise_for_end
 from nbddp.pool.rebinding import words
 from nbddp.wire import protocol as P
+from tiers import sizes
 
 SIZES = [2, 3, 4, 8]
 HAD = r"rank {}: a new process took its place; it had (.*) \(gone\) and had imported (.*)"
@@ -176,7 +177,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module", params=SIZES, ids=[f"{n}ranks" for n in SIZES])
+@pytest.fixture(scope="module", params=sizes(*SIZES))
 def sized_pool(request):
     with Pool(request.param, grace=1.0) as pool:
         yield pool

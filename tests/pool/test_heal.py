@@ -25,6 +25,7 @@ from helpers import collect, healthy, wait_gone
 from nbddp import Pool
 from nbddp.pool.errors import CaptureError
 from nbddp.wire import protocol as P
+from tiers import sizes
 
 SIZES = [2, 4, 8]
 
@@ -69,7 +70,7 @@ train_step()
 OPTIONS = ("DistributedDataParallel", True, 2**20, True)
 
 
-@pytest.fixture(scope="module", params=SIZES, ids=[f"{n}ranks" for n in SIZES])
+@pytest.fixture(scope="module", params=sizes(*SIZES))
 def heal_pool(request):
     with Pool(request.param, grace=1.0, heal=["model", "opt"]) as pool:
         yield pool

@@ -13,6 +13,7 @@ from helpers import namespace_digests
 from nbddp import Pool
 from nbddp.rank.worker import CellInterrupts
 from nbddp.wire import protocol as P
+from tiers import sizes
 
 # ---------------------------------------------------------------- one rank's bookkeeping
 
@@ -73,7 +74,7 @@ def test_every_order_of_run_interrupt_and_done(order):
 LOOP = "import time\nwhile True:\n    time.sleep(0.001)"
 
 
-@pytest.fixture(scope="module", params=[2, 4, 8])
+@pytest.fixture(scope="module", params=sizes(2, 4, 8, ids="{}"))
 def ranks(request):
     with Pool(request.param, grace=3.0) as pool:
         pool.execute(

@@ -16,6 +16,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from helpers import namespace_digests, wait_gone
 from nbddp.notebook.session import SESSION
+from tiers import sizes
 
 SIZES = (2, 3, 4, 8)
 
@@ -30,7 +31,7 @@ def shell():
     sh.run_cell("%unload_ext nbddp")
 
 
-@pytest.fixture(scope="module", params=SIZES, ids=[f"{n}ranks" for n in SIZES])
+@pytest.fixture(scope="module", params=sizes(*SIZES))
 def sized(shell, request):
     """The shell with a pool of each size (the notebook's names of earlier tests gone)."""
     n = request.param

@@ -13,11 +13,12 @@ from nbddp import CellFailed, Pool
 from nbddp.pool.drive import drive
 from nbddp.pool.facade import raise_for_end
 from nbddp.wire import protocol as P
+from tiers import sizes
 
 SIZES = [2, 3, 4]
 
 
-@pytest.fixture(scope="module", params=SIZES, ids=[f"{n}ranks" for n in SIZES])
+@pytest.fixture(scope="module", params=sizes(*SIZES))
 def sized(request):
     with Pool(request.param) as pool:
         yield pool

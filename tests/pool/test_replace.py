@@ -29,13 +29,14 @@ from nbddp import Pool
 from nbddp.pool.errors import CaptureError, CellFailed
 from nbddp.pool.facade import raise_for_end
 from nbddp.wire import protocol as P
+from tiers import sizes
 
 SIZES = [2, 3, 4, 8]
 HAD = r"rank R: a new process took its place; it had (.*) \(gone\) and had imported (.*)"
 SUM = "import torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
 
 
-@pytest.fixture(scope="module", params=SIZES, ids=[f"{n}ranks" for n in SIZES])
+@pytest.fixture(scope="module", params=sizes(*SIZES))
 def sized_pool(request):
     with Pool(request.param, grace=1.0) as pool:
         yield pool

@@ -129,12 +129,11 @@ def test_a_new_rank_re_runs_the_cells_without_collectives_and_trains(rerun_pool)
     assert wait_gone([pids[last]]) == []
 
 
+@pytest.mark.at_sizes(SIZES[0], fixture="rerun_pool")  # once, at the smallest size
 @pytest.mark.timeout(300)
 def test_a_resize_up_re_runs_them_on_the_new_rank(rerun_pool):
     pool = rerun_pool
     n = pool.world_size
-    if n != SIZES[0]:
-        pytest.skip("once, at the smallest size")
     _setup(pool)
     line = pool.resize(n + 1).line()
     try:
@@ -164,13 +163,12 @@ def test_the_names_a_cell_binds_and_touches_where_its_top_level_runs():
     assert "z" not in touches
 
 
+@pytest.mark.at_sizes(SIZES[0], fixture="rerun_pool")  # once, at the smallest size
 @pytest.mark.timeout(180)
 def test_a_cell_whose_names_a_later_collective_cell_binds_again_is_not_re_run(rerun_pool):
     """``net = Linear(...)``, then ``net = DDP(net)`` (collectives): re-running the first
     alone would give the new rank a fresh plain model where the others hold a DDP one."""
     pool = rerun_pool
-    if pool.world_size != SIZES[0]:
-        pytest.skip("once, at the smallest size")
     healthy(pool)
     pool.history.clear()
     pool.execute("net = torch.nn.Linear(4, 1)\nmine = rank", label="In [1]")
@@ -188,6 +186,7 @@ def test_a_cell_whose_names_a_later_collective_cell_binds_again_is_not_re_run(re
     assert pool.execute("'net' in globals()", ranks=[1]) == [None, False, None]
 
 
+@pytest.mark.at_sizes(SIZES[0], fixture="rerun_pool")  # once, at the smallest size
 @pytest.mark.timeout(180)
 def test_a_cell_that_reads_what_only_a_collective_cell_made_is_skipped_and_the_rest_run(
     rerun_pool,
@@ -197,8 +196,6 @@ def test_a_cell_that_reads_what_only_a_collective_cell_made_is_skipped_and_the_r
     still run; a cell whose re-run fails (what it reads is hidden from the scan) does not
     stop the others either."""
     pool = rerun_pool
-    if pool.world_size != SIZES[0]:
-        pytest.skip("once, at the smallest size")
     healthy(pool)
     pool.history.clear()
     pool.execute(COUNT, label="In [1]")  # t: collectives

@@ -15,6 +15,7 @@ import pytest
 
 from helpers import collect, healthy, namespace_digests
 from nbddp.wire import protocol as P
+from tiers import sizes
 
 SIZES = [2, 4, 8]
 SLEEPER = "import time\nprint('go', flush=True)\ntime.sleep(60)\nlate = 1"
@@ -26,7 +27,7 @@ def ready(pool_of_size):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("pool_of_size", SIZES, indirect=True, ids=[f"{n}ranks" for n in SIZES])
+@pytest.mark.parametrize("pool_of_size", sizes(*SIZES), indirect=True)
 def test_a_loop_left_early_keeps_every_rank_and_the_next_cell_ends_the_old_one(ready):
     pool, n = ready, ready.world_size
     pool.execute("import time\nkept = rank * 5 + 2\nw = torch.arange(4.0) * rank")
@@ -46,7 +47,7 @@ def test_a_loop_left_early_keeps_every_rank_and_the_next_cell_ends_the_old_one(r
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("pool_of_size", SIZES, indirect=True, ids=[f"{n}ranks" for n in SIZES])
+@pytest.mark.parametrize("pool_of_size", sizes(*SIZES), indirect=True)
 def test_a_cell_whose_events_were_never_read_never_runs(ready):
     """(Ctrl-C between pool.run and the sink.)"""
     pool, n = ready, ready.world_size

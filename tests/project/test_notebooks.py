@@ -9,6 +9,8 @@ import nbclient
 import nbformat
 import pytest
 
+from tiers import slow
+
 NOTEBOOKS = sorted((Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
 # notebooks for a framework need it installed: pip install -e ".[frameworks]" (.ci/run does)
 REQUIRES = {
@@ -31,7 +33,16 @@ SHOWS = {
 pytestmark = pytest.mark.kernel
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+QUICKSTART = "01-quickstart.ipynb"  # the default run's notebook; the slow tier runs every one
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(p, id=p.name, marks=() if p.name == "01-quickstart.ipynb" else slow)
+        for p in NOTEBOOKS
+    ],
+)
 def test_notebook_runs_without_errors(path, tmp_path, monkeypatch):
     if path.name in REQUIRES:
         pytest.importorskip(REQUIRES[path.name], reason='needs pip install -e ".[frameworks]"')

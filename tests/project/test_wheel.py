@@ -25,13 +25,13 @@ import pytest
 
 from helpers import (
     CHROMIUM,
-    chromium,
     frozen_charts,
     jupyter_server,
     open_notebook,
     run_all_cells,
     wait_gone,
 )
+from tiers import slow
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "src" / "nbddp"
@@ -106,10 +106,30 @@ def venv(wheel, tmp_path_factory):
 def test_the_wheel_holds_every_module_and_the_dashboards_script(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "nbddp/dashboard/dashboard.js" in names  # the widget's JavaScript, read at run time
-    modules = {f"nbddp/{p.name}" for p in SRC.glob("*.py")}
-    assert modules <= names, sorted(modules - names)
+    modules = {f"nbddp/{p.relative_to(SRC).as_posix()}" for p in SRC.rglob("*.py")}
+    assert modules <= names, sorted(modules - names)  # every part's package too
     assets = {f"nbddp/{p.name}" for p in SRC.iterdir() if p.is_file() and p.suffix != ".pyc"}
     assert assets <= names, sorted(assets - names)
+
+
+def test_the_wheel_alone_imports_and_runs_a_cell_of_two_ranks(wheel, tmp_path):
+    """The default run's smoke of the wheel (the slow tier installs it in a fresh venv):
+    the wheel alone (pip --target, no dependencies) ahead of the checkout on the path;
+    the notebook side and both ranks import nbddp from it, and a cell runs."""
+    target = tmp_path / "installed"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile"]
+    timed("install the wheel alone", [*pip, "--target", str(target), str(wheel)], timeout=300)
+    code = (
+        "import nbddp\nprint(nbddp.__file__)\n"
+        "with nbddp.Pool(2) as pool:\n"
+        "    print(pool.execute('import nbddp\\n(rank, nbddp.__file__)'))\n"
+    )
+    env = {**clean_env(), "PYTHONPATH": str(target)}
+    done = timed("a 2-rank cell", [sys.executable, "-c", code], env=env, cwd=tmp_path, timeout=300)
+    here, ranks = done.stdout.splitlines()[-2:]
+    init = str(target / "nbddp" / "__init__.py")
+    assert here == init, done.stdout
+    assert ranks == repr([(0, init), (1, init)]), done.stdout
 
 
 def kernel_in(venv: Path, tmp: Path):
@@ -140,6 +160,7 @@ def execute(client, code: str, timeout: float = 180) -> tuple[dict, list[tuple[s
     return reply["content"], outputs
 
 
+@slow
 @pytest.mark.kernel
 @pytest.mark.timeout(900)
 def test_the_installed_wheel_runs_a_cell_in_a_kernel_of_the_fresh_venv(venv, tmp_path):
@@ -233,13 +254,16 @@ new MutationObserver((records) => {
 """
 
 
+@slow
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium")
 @pytest.mark.parametrize(
     ("app", "route"), [("jupyterlab", "lab/tree"), ("notebook", "notebooks")], ids=["lab", "nb7"]
 )
-def test_the_quickstart_runs_in_a_front_end_served_by_the_fresh_venv(venv, tmp_path, app, route):
+def test_the_quickstart_runs_in_a_front_end_served_by_the_fresh_venv(
+    venv, tmp_path, app, route, browser
+):
     browser_test = pytest.importorskip("playwright.sync_api", reason="needs playwright")
     expect = browser_test.expect
     root = tmp_path / "root"
@@ -255,7 +279,7 @@ def test_the_quickstart_runs_in_a_front_end_served_by_the_fresh_venv(venv, tmp_p
     python = str(venv / "bin" / "python")
     start = time.monotonic()
     server = jupyter_server(tmp_path, root, app=app, python=python, env=clean_env(venv))
-    with server as (base, token), chromium(tmp_path) as browser:
+    with server as (base, token):
         page = browser.new_page(viewport={"width": 1280, "height": 1000})
         page.add_init_script(COUNT_LIVE_JS)
         try:

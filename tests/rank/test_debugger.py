@@ -13,6 +13,8 @@ import pytest
 from nbclient import NotebookClient
 from test_kernel import execute
 
+from tiers import sizes
+
 pytestmark = pytest.mark.kernel
 
 
@@ -165,7 +167,7 @@ def test_without_an_input_box_a_breakpoint_says_so_and_the_cell_ends(tmp_path):
 # ---------------------------------------------------------------- the pool's side
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4, 8], ids=lambda n: f"{n}ranks")
+@pytest.fixture(scope="module", params=sizes(2, 3, 4, 8))
 def sized_pool(request):
     from nbddp import Pool
 

@@ -22,6 +22,7 @@ from nbddp import Pool
 from nbddp.dashboard.metric_store import CellMetrics, MetricStore
 from nbddp.dashboard.sinks import TextSink
 from nbddp.pool.drive import drive
+from tiers import sizes
 
 
 def needs(module: str):
@@ -251,7 +252,7 @@ def test_a_framework_launcher_inside_a_rank_gets_a_clear_hint(capsys):
 # ---------------------------------------------------------------- charts (nbddp.loggers)
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}ranks")
+@pytest.fixture(scope="module", params=sizes(2, 3, 4))
 def sized_pool(request, pool):
     """The module's pool at 2 ranks; a pool of its own at 3 and 4."""
     if request.param == pool.world_size:

@@ -11,6 +11,7 @@ from nbddp import Pool
 from nbddp.pool.facade import raise_for_end
 from nbddp.rank import profiling
 from nbddp.wire import protocol as P
+from tiers import sizes
 
 SIZES = [2, 3, 4]
 
@@ -35,7 +36,7 @@ SLOW_LAST = (
 )
 
 
-@pytest.fixture(scope="module", params=SIZES, ids=[f"{n}ranks" for n in SIZES])
+@pytest.fixture(scope="module", params=sizes(*SIZES))
 def sized_pool(request):
     with Pool(request.param) as pool:
         # torch's profiler starts in about a second the first time on each rank, in its own

@@ -18,15 +18,28 @@ from nbddp.wire.payload import private_dir
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def ours() -> set[str]:
-    """nbddp folders that are this test's doing: made by this process or by one that has
-    ended (a leak); folders of other live processes (another test run) are theirs."""
+def maker(name: str) -> int | None:
+    """The pid a folder's name carries (``nbddp-<pid>-...``), if any."""
+    pid = name.split("-")[1] if name.count("-") else ""
+    return int(pid) if pid.isdigit() else None
 
-    def alive_elsewhere(name: str) -> bool:
-        pid = name.split("-")[1]
-        return pid.isdigit() and int(pid) != os.getpid() and psutil.pid_exists(int(pid))
 
-    return {n for n in os.listdir(SHM) if n.startswith("nbddp") and not alive_elsewhere(n)}
+class Made:
+    """The nbddp folders in shared memory that a test's own processes made: those that
+    appeared while it ran and whose maker was born during it. The folders of processes
+    alive before (this test process's other pools, another test run beside this one) are
+    not the test's doing, and are never counted."""
+
+    def __init__(self) -> None:
+        self.names = self.now()
+        self.pids = set(psutil.pids())
+
+    @staticmethod
+    def now() -> set[str]:
+        return {n for n in os.listdir(SHM) if n.startswith("nbddp")}
+
+    def since(self) -> set[str]:
+        return {n for n in self.now() - self.names if maker(n) not in self.pids}
 
 
 KILLED_IN_GATHER = (
@@ -44,18 +57,19 @@ KILLED_IN_GATHER = (
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [3, 4])
 def test_a_rank_killed_inside_gather_tensors_leaves_nothing_once_the_pool_stops(n):
-    before = ours()
+    made = Made()
     with Pool(n) as pool:
         pool.execute("import torch")
-        inside = ours() - before
-        assert len(inside) == 1  # the pool's one folder
+        folder = pool.procs.shm  # the pool's one folder (it carries this process's pid)
+        assert os.path.dirname(folder) == SHM
+        assert made.since() == set()  # nothing of the ranks' own
         end = next(e for e in pool.run(KILLED_IN_GATHER) if isinstance(e, P.CellEnd))
         assert n - 1 in end.exits
         assert not end.exits[n - 1].stopped_by_pool
-        folder = os.path.join(SHM, inside.pop())
         written = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs]
         assert written, "the killed rank wrote its tensor inside the pool's folder"
-    assert ours() == before
+    assert not os.path.exists(folder)
+    assert made.since() == set()
 
 
 def test_gathers_under_torchrun_without_a_pool_leave_nothing(tmp_path):
@@ -73,7 +87,7 @@ def test_gathers_under_torchrun_without_a_pool_leave_nothing(tmp_path):
         "    print('OBJ', [(o['r'], o['w'][-1].item()) for o in out])\n"
         "dist.destroy_process_group()\n"
     )
-    before = ours()
+    made = Made()
     proc = subprocess.run(
         [
             sys.executable,
@@ -92,7 +106,7 @@ def test_gathers_under_torchrun_without_a_pool_leave_nothing(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "GOT [0.0, 1.0, 2.0]" in proc.stdout
     assert "OBJ [(2, 2.0), (0, 0.0)]" in proc.stdout  # rank 0's 2 MB through its own folder
-    assert ours() == before
+    assert made.since() == set()  # torchrun's ranks were born during the test
 
 
 def test_a_folder_another_user_made_or_can_enter_is_refused(tmp_path):

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tiers import sizes
+
 HERE = Path(__file__).resolve().parents[1]
 SRC = HERE.parent / "src"
 # each value over three times what /dev/shm holds: 32 MB here, half of Docker's 64 MB
@@ -49,7 +51,7 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+@pytest.fixture(scope="module", params=sizes(2, 4))
 def report(request, tmp_path_factory):
     """The child's report at ``n`` ranks, and the private temp dir it ran with."""
     tmp = tmp_path_factory.mktemp(f"smallshm{request.param}")

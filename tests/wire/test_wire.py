@@ -357,14 +357,11 @@ def test_the_right_tls_pin_is_accepted_in_any_case(server_tls):
     server.close()
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30)  # the client never speaks: only the handshake's deadline ends it
 def test_a_silent_client_ends_the_handshake_in_time():
     s, c = tcp_pair()
-    with s, c:
-        t0 = time.monotonic()
-        with pytest.raises(HS.HandshakeError):
-            HS.server_handshake(s, TOKEN, 0.3)
-        assert time.monotonic() - t0 < 3
+    with s, c, pytest.raises(HS.HandshakeError, match="did not finish the handshake in time"):
+        HS.server_handshake(s, TOKEN, 0.3)
 
 
 # ---------------------------------------------------------------- bad frames
@@ -374,14 +371,12 @@ def test_a_silent_client_ends_the_handshake_in_time():
 @pytest.mark.timeout(30)
 def test_an_over_limit_frame_is_refused_before_its_payload(mode, server_tls, monkeypatch):
     """The header says 1 TiB and no payload follows: refused at once, nothing allocated
-    nor waited for."""
-    monkeypatch.setattr(wire, "STALL", 60.0)
+    nor waited for (a wait for the payload would outlast the test's timeout)."""
+    monkeypatch.setattr(wire, "STALL", 600.0)
     with channels(mode, server_tls) as (server, client):
         client._write(header_of(client, 0, 1 << 40))
-        t0 = time.monotonic()
         with pytest.raises(wire.FrameError, match=r"1,099,511,627,776 bytes is over the limit"):
-            server.recv_bytes(timeout=20)
-        assert time.monotonic() - t0 < 5
+            server.recv_bytes(timeout=600)
         assert server.closed
 
 
@@ -416,9 +411,8 @@ def test_a_frame_stalled_midway_is_given_up_after_stall(mode, where, server_tls,
         client._write(head[:5] if where == "header" else head + b"y" * 10)
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
-            server.recv_bytes()  # no timeout of its own: STALL bounds it
-        took = time.monotonic() - t0
-        assert 0.25 < took < 5
+            server.recv_bytes()  # no timeout of its own: STALL bounds it (else the test's)
+        assert time.monotonic() - t0 > 0.25  # not before STALL
         assert server.closed
 
 
@@ -429,7 +423,7 @@ def test_recv_with_a_timeout_raises_when_nothing_comes(mode, server_tls):
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
             server.recv_bytes(timeout=0.2)
-        assert 0.15 < time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 > 0.15  # not before the timeout
         assert not server.closed
         client.send_bytes(b"still here")
         assert server.recv_bytes(timeout=5) == b"still here"
