@@ -24,6 +24,7 @@ sys.path.extend(
 
 import pytest
 
+from budget import FileBudget
 from cpu_machine import CpuMachine, cuda_last, is_cuda
 from helpers import healthy
 from nbddp import Pool
@@ -36,6 +37,12 @@ MACHINE = CpuMachine()
 # workers, and test runs side by side, never see (nor clear) each other's pools
 _HOME = tempfile.mkdtemp(prefix="nbddp-tests-home-")
 os.environ["NBDDP_HOME"] = _HOME
+
+
+def pytest_configure(config) -> None:
+    """The time budget per test file (tests/budget.py), kept where reports arrive."""
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(FileBudget(), "nbddp-budget")
 
 
 def pytest_unconfigure(config) -> None:
