@@ -7,7 +7,7 @@
 #
 # Each venv is .venvs/torch-VERSION (kept: a second run installs nothing). On the project's
 # machines 2.13.0 (CPU) and 2.14.1 (CUDA build, 5.5 GB) lie on disk, and pip's constraint
-# file caps torch at 2.14.1: this script lifts it for its own pip calls (PIP_CONSTRAINT=),
+# file caps torch at 2.14.1: this script lifts it for its own pip calls (PIP_CONSTRAINT),
 # so 2.15.0 comes from the registry (a CUDA build, about 3 GB of downloads; the tests run
 # on the CPU). Prints a markdown table for docs/contributing.md; exits 1 if a release failed.
 set -uo pipefail
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 versions=("$@")
 [ ${#versions[@]} -gt 0 ] || versions=(2.13.0 2.14.1 2.15.0)
-export PIP_CONSTRAINT=""
+export PIP_CONSTRAINT=/dev/null  # (an empty value would leave the cap in place)
 rows=()
 failed=0
 for v in "${versions[@]}"; do

@@ -24,7 +24,7 @@ sys.path.extend(
 
 import pytest
 
-from budget import FileBudget
+from budget import BUDGET, SLOW_BUDGET, FileBudget
 from cpu_machine import CpuMachine, cuda_last, is_cuda
 from helpers import healthy
 from nbddp import Pool
@@ -42,7 +42,8 @@ os.environ["NBDDP_HOME"] = _HOME
 def pytest_configure(config) -> None:
     """The time budget per test file (tests/budget.py), kept where reports arrive."""
     if not hasattr(config, "workerinput"):
-        config.pluginmanager.register(FileBudget(), "nbddp-budget")
+        slow = "slow" in (config.option.markexpr or "")
+        config.pluginmanager.register(FileBudget(SLOW_BUDGET if slow else BUDGET), "nbddp-budget")
 
 
 def pytest_unconfigure(config) -> None:

@@ -264,7 +264,9 @@ def node(request, tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n)]
     cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     cmd += ["-m", "nbddp.worker", "--connect", address, "--token-file", str(token_file)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # a new process that finds no relay gives up after 3 s, not 10 (the killed-relay test
+    # waits for torchrun to end); one that finds it connects at once
+    env = dict(os.environ, OMP_NUM_THREADS="1", NBDDP_RENEWED_CONNECT="3")
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
     )
@@ -367,6 +369,7 @@ def test_a_rank_that_dies_behind_the_relay_is_replaced_on_its_host(node):
     assert proc.poll() is None  # torchrun's workers all live on
 
 
+@pytest.mark.timeout(120)  # (less than the 180 s a re-form would wait for new processes)
 def test_a_killed_relay_stops_the_pool_at_once_and_torchrun_ends(node):
     """The node's relay is gone: its ranks cannot come back through it, so the pool is
     stopped at once, not after waiting for new processes that cannot reach it."""
@@ -374,9 +377,7 @@ def test_a_killed_relay_stops_the_pool_at_once_and_torchrun_ends(node):
     relay_pid = pool.hub.relays[0].pid
     events = pool.run("import time\ntime.sleep(30)")
     threading.Timer(0.5, os.kill, (relay_pid, signal.SIGKILL)).start()
-    t0 = time.monotonic()
-    _, _, end = collect(events)
-    assert time.monotonic() - t0 < 20  # (the re-form's wait for new processes is 60 s)
+    _, _, end = collect(events)  # at once, not after a wait for new processes
     assert sorted(end.exits) == list(range(pool.world_size))
     assert any("the pool was stopped" in n for n in end.notes), end.notes
     with pytest.raises(PoolClosedError, match="start torchrun again and attach again"):
