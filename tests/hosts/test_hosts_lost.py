@@ -14,6 +14,7 @@ import io
 import os
 import re
 import secrets
+import select
 import signal
 import threading
 import time
@@ -134,7 +135,8 @@ def test_a_host_whose_ranks_end_before_its_relay_is_lost_not_late(hosts, per_hos
         relay = next(r for r in pool.hub.relays if r.ranks and min(r.ranks) == per_host)
         sims[1].kill()
         sims[1].wait(30)
-        time.sleep(0.5)  # (the relay tells the notebook its ranks ended)
+        # the relay told the notebook its ranks ended: there is something to read from it
+        assert select.select([relay.conn.fileno()], [], [], 30)[0], "the relay said nothing"
         threading.Timer(1.0, os.kill, (relay.pid, signal.SIGKILL)).start()
         with pytest.raises(HostsMissing, match=rf"{rank_set(lost)} of host sim1 are missing"):
             pool.execute("x = None")  # its mend reads the deaths while the relay still runs

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import select
 import socket
-import time
 
 import pytest
 from test_wire import Proxy, attached_pool, attached_through, forged, token_file  # noqa: F401
@@ -40,7 +39,7 @@ BETWEEN = {
 
 
 @pytest.mark.parametrize("attack", list(BETWEEN))
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(90)  # (less than the pool's 120 s start timeout)
 def test_a_bad_frame_between_cells_is_said_at_the_next_cell(attack, token_file, tmp_path):  # noqa: F811
     """The next cell says at once which rank, which host and why, and the pool is stopped
     (it waited 120 s for a rank that could not come, then said only that it did not start)."""
@@ -52,10 +51,8 @@ def test_a_bad_frame_between_cells_is_said_at_the_next_cell(attack, token_file, 
         act(proxy)
         # (the cell after it arrived: one that begins before is the running cell's case)
         assert select.select([pool.roster[0].link.conn.fileno()], [], [], 10)[0]
-        t0 = time.monotonic()
-        with pytest.raises(PoolClosedError) as raised:
-            collect(pool.run("1"))
-        assert time.monotonic() - t0 < 10  # at once, not after the start timeout
+        with pytest.raises(PoolClosedError) as raised:  # at once: the start timeout (120 s)
+            collect(pool.run("1"))  # outlasts the test's
         said = str(raised.value)
         assert "\n" not in said
         host = socket.gethostname()

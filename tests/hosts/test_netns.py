@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -463,7 +464,8 @@ def test_a_host_killed_ranks_first_is_missing_not_waited_for(nodes, tmp_path):
         relay = next(r for r in pool.hub.relays if r.host == "node-b")
         kill_host(nodes[1][0], spare=(relay.pid,))
         procs[1].wait(30)
-        time.sleep(1.0)  # (the relay tells the notebook its ranks ended)
+        # the relay told the notebook its ranks ended: there is something to read from it
+        assert select.select([relay.conn.fileno()], [], [], 30)[0], "the relay said nothing"
         threading.Timer(1.0, os.kill, (relay.pid, signal.SIGKILL)).start()
         t0 = time.monotonic()
         with pytest.raises(HostsMissing, match=r"ranks 4-7 of host node-b are missing"):

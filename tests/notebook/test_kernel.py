@@ -282,11 +282,11 @@ def test_a_rank_killed_at_four_ranks_is_replaced_and_the_others_keep_their_state
     r = execute(
         kc,
         "%%ddp --text\nimport time\nt = torch.ones(1)\nprint('ready', flush=True)\n"
-        "if rank == 2:\n    time.sleep(60)\ndist.all_reduce(t)",
+        "if rank == 2:\n    time.sleep(600)\ndist.all_reduce(t)",  # (longer than the test)
         on_output=kill_rank_2_when_all_ready,
     )
     assert killed, r.text
-    assert time.monotonic() - killed[0] < 30  # not the 60 s sleep, nor a collective timeout
+    # (ended by the death: the sleep, and the collective timeout, outlast execute's 60 s)
     assert r.error["ename"] == "CellFailed", r.text
     lines = r.error["evalue"].splitlines()
     assert lines[0] == "rank 2 died (killed by SIGKILL)", lines

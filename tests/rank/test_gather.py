@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import textwrap
-import time
 
 import pytest
 import torch
@@ -187,13 +186,12 @@ def test_a_subgroup_gathers_to_its_first_rank_and_the_others_do_not_call(gpool, 
     ],
     ids=["twice", "empty", "outside"],
 )  # fmt: skip
+@pytest.mark.timeout(60)  # (a rank that sat in a collective would wait for its 30 min timeout)
 def test_a_bad_list_is_one_line_on_every_rank_and_nothing_waits(gpool, call, message):
-    t0 = time.monotonic()
     got = gpool.execute(
         f"try:\n    {call}\n    r = 'no error'\nexcept ValueError as e:\n    r = str(e)\nr"
     )
     assert all(message in r and "\n" not in r for r in got), got
-    assert time.monotonic() - t0 < 10  # (no rank sat in a collective)
 
 
 BAD = {  # what rank n - 1 passes, and what it raises
@@ -221,8 +219,7 @@ def test_a_rank_that_cannot_write_fails_every_rank_at_once_and_the_pool_lives(
     open_to_all = tmp_path / "open"
     open_to_all.mkdir()
     open_to_all.chmod(0o777)
-    t0 = time.monotonic()
-    got = gpool.execute(
+    got = gpool.execute(  # (a rank waiting in a collective the others left: the test's timeout)
         f"import threading\nOPEN = {str(open_to_all)!r}\n"
         f"obj = {obj} if rank == {n - 1} else make(rank)\n"
         f"ws = {folder} if rank == {n - 1} else WS\n"
@@ -233,7 +230,6 @@ def test_a_rank_that_cannot_write_fails_every_rank_at_once_and_the_pool_lives(
         "    r = f'{type(e).__name__}: {e}'\n"
         "r"
     )
-    assert time.monotonic() - t0 < 20  # no rank waited in a collective the others left
     assert got[0].startswith(f"RuntimeError: rank {n - 1} could not write its object: {says}")
     assert got[n - 1].startswith(says), got[n - 1]
     assert all(got[r] == "no error" for r in range(1, n - 1)), got
