@@ -2,7 +2,7 @@
 # Set up .venv with nbddp (editable) and its test tools.
 # torch is installed only when the venv cannot import it, pinned to 2.13.0
 # (on a machine without CUDA wheels this is the CPU build); pyproject.toml
-# itself accepts any torch>=2.3.
+# itself accepts torch>=2.13 (the oldest release tested: scripts/torch_versions.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

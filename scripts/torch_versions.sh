@@ -34,7 +34,7 @@ for v in "${versions[@]}"; do
         >>"$log" 2>&1
     rc=$?
     minutes=$(awk "BEGIN { printf \"%.1f\", ($(date +%s) - $start) / 60 }")
-    summary=$(grep -E "^=+ .*(passed|failed).* =+$" "$log" | tail -1 | sed -E 's/^=+ | =+$//g')
+    summary=$(grep -E "(passed|failed|error).* in [0-9.]+s" "$log" | tail -1 | sed -E 's/^=+ | =+$//g; s/ in [0-9.]+s.*//')
     [ $rc = 0 ] || failed=1
     rows+=("| $v | $([ $rc = 0 ] && echo pass || echo FAIL) | ${summary:-no summary (see $log)} | $minutes |")
 done
