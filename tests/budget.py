@@ -38,6 +38,8 @@ class FileBudget:
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         tr = terminalreporter
+        if not self.seconds:  # (nothing ran: --collect-only)
+            return
         tr.section(f"time per test file (the slowest; budget {self.budget:.0f} s)", sep="-")
         for path, seconds in self.seconds.most_common(8):
             tr.write_line(f"{seconds:7.1f} s  {path}")

@@ -59,7 +59,13 @@ def pytest_collection_modifyitems(config, items) -> None:
         items[:] = in_worker_order(items)
     items[:] = cuda_last(items)
     tier = not config.option.markexpr  # (-m chooses for itself)
-    drop = [i for i in items if (tier and i.get_closest_marker("slow")) or not at_its_size(i)]
+    named = [a.split("::", 1)[1] for a in config.args if "::" in a]  # tests named run anyway
+
+    def slow(item) -> bool:
+        name = item.nodeid.split("::", 1)[-1]
+        return bool(item.get_closest_marker("slow")) and not any(map(name.startswith, named))
+
+    drop = [i for i in items if (tier and slow(i)) or not at_its_size(i)]
     if drop:
         config.hook.pytest_deselected(items=drop)
         dropped = set(map(id, drop))

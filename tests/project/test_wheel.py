@@ -3,8 +3,11 @@ fresh virtual environment (not --system-site-packages; the registry's jupyterlab
 notebook and ipykernel beside it), run in a kernel of that environment, and the
 quickstart notebook run in JupyterLab and Notebook 7 served by that environment.
 
-Slow (about a minute to build the environment, shared by the module's tests); the
-browser tests are marked e2e and skipped without /usr/bin/chromium and playwright.
+The default run builds the wheel, checks what it holds, and runs a 2-rank cell from the
+wheel alone (installed with --target, ahead of the checkout on the path). The fresh venv
+(about a minute to build, shared by the module's tests), its kernel and its front ends
+are the slow tier's (-m slow); the browser tests are marked e2e and skipped without
+/usr/bin/chromium and playwright.
 """
 
 from __future__ import annotations
