@@ -33,6 +33,26 @@ SKIPS = [
 playwright = pytest.importorskip("playwright.sync_api", reason="needs playwright")
 
 
+def end_sessions(base: str, token: str, timeout: float = 60) -> None:
+    """Shut down every session of a Jupyter server (its kernels, and so their pools), and
+    wait until it holds no kernel: the next test on the same server starts clean."""
+    import json
+    import urllib.request
+
+    def call(path: str, method: str = "GET"):
+        req = urllib.request.Request(f"{base}/api/{path}?token={token}", method=method)
+        with urllib.request.urlopen(req, timeout=timeout) as reply:
+            body = reply.read()
+        return json.loads(body) if body else None
+
+    for session in call("sessions"):
+        call(f"sessions/{session['id']}", "DELETE")
+    deadline = time.monotonic() + timeout
+    while kernels := call("kernels"):
+        assert time.monotonic() < deadline, f"kernels still running: {kernels}"
+        time.sleep(0.1)
+
+
 def notebook_root(tmp_path, cells) -> Path:
     """A folder holding dash.ipynb with ``cells`` (and the python3 kernelspec: without it a
     "Select Kernel" dialog blocks the page and no kernel starts)."""

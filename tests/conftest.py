@@ -128,6 +128,35 @@ def kernel(tmp_path, monkeypatch):
             km.shutdown_kernel(now=True)
 
 
+@pytest.fixture(scope="module")
+def module_kernel(tmp_path_factory):
+    """One real kernel for the module's tests that leave it usable: (manager, client)."""
+    from jupyter_client.manager import start_new_kernel
+
+    tmp = tmp_path_factory.mktemp("kernel")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_RUNTIME_DIR", str(tmp / "runtime"))
+        mp.setenv("IPYTHONDIR", str(tmp / "ipython"))
+        km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
+        try:
+            yield km, kc
+        finally:
+            kc.stop_channels()
+            if km.is_alive():
+                km.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def shared_kernel(module_kernel):
+    """The module's kernel; after the test, checked clean for the next one: alive, idle,
+    answering, its pool's ranks all there (``%ddp status`` says no rank is dead)."""
+    km, kc = module_kernel
+    yield km, kc
+    assert km.is_alive(), "the test ended the module's kernel: give it a kernel of its own"
+    reply = kc.execute_interactive("%ddp status", timeout=60, output_hook=lambda msg: None)
+    assert reply["content"]["status"] == "ok", reply["content"]
+
+
 @pytest.fixture
 def pool(shared_pool):
     """The session's 2-rank pool, healthy at the start of each test."""
@@ -150,16 +179,38 @@ def run(shell, capsys):
 # ---------------------------------------------------------------- browser tests
 
 
-@pytest.fixture
-def lab(tmp_path, request):
-    """JupyterLab serving dash.ipynb (the cells: the test's parameter, else the module's
-    CELLS)."""
-    from browser_kit import notebook_root
+@pytest.fixture(scope="module")
+def lab_server(tmp_path_factory):
+    """One JupyterLab for the module's tests: (base URL, token, its root folder)."""
     from helpers import jupyter_server
 
-    root = notebook_root(tmp_path, getattr(request, "param", None) or request.module.CELLS)
-    with jupyter_server(tmp_path, root) as (base, token):
-        yield f"{base}/lab/tree/dash.ipynb?token={token}", tmp_path
+    tmp = tmp_path_factory.mktemp("lab")
+    root = tmp / "root"
+    root.mkdir()
+    with jupyter_server(tmp, root) as (base, token):
+        yield base, token, root
+
+
+@pytest.fixture
+def lab(lab_server, request):
+    """A notebook of its own for the test on the module's JupyterLab (the cells: the
+    test's parameter, else the module's CELLS): (its URL, the root). After the test every
+    kernel of the server is shut down (and with it its pool)."""
+    import re
+
+    import nbformat
+
+    from browser_kit import end_sessions
+    from helpers import python3_notebook
+
+    base, token, root = lab_server
+    stem = re.sub(r"[^\w-]+", "-", request.node.name)[:80]
+    cells = getattr(request, "param", None) or request.module.CELLS
+    nbformat.write(python3_notebook(cells), root / f"{stem}.ipynb")
+    try:  # (a workspace of its own: JupyterLab would reopen the tabs of the one before)
+        yield f"{base}/lab/workspaces/{stem}/tree/{stem}.ipynb?token={token}", root
+    finally:
+        end_sessions(base, token)
 
 
 @pytest.fixture

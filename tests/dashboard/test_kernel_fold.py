@@ -1,6 +1,7 @@
 """Folded output through a real kernel: the realistic training cell (each rank prints its
 own loss line, then a shared line) folds live in the widget, in the frozen cell and in
-``--text``; ``--no-fold`` keeps every line."""
+``--text``; ``--no-fold`` keeps every line. The tests share one kernel and its 4-rank pool
+(``shared_kernel``: checked alive, idle and whole after each)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def run(kc, code: str, timeout: float = 120) -> tuple[dict, list[list], str]:
     return reply.error, lines[-1] if lines else [], reply.text + (shown[-1] if shown else "")
 
 
-def test_the_training_cell_folds_live_frozen_and_in_text_and_no_fold_keeps_each_line(kernel):
-    _, kc = kernel
+def test_the_training_cell_folds_live_frozen_and_in_text_and_no_fold_keeps_each_line(shared_kernel):
+    _, kc = shared_kernel
     assert run(kc, "%load_ext nbddp")[0] is None
     error, live, page = run(kc, TRAINING.format(flags=""))
     assert error is None, page
@@ -75,8 +76,8 @@ def test_the_training_cell_folds_live_frozen_and_in_text_and_no_fold_keeps_each_
         assert re.search(rf"^\[rank {rank}\] rank {rank} epoch 1 loss [\d.]+$", text, re.M)
 
 
-def test_one_error_on_every_rank_is_one_traceback_and_another_error_stays_apart(kernel):
-    _, kc = kernel
+def test_one_error_on_every_rank_is_one_traceback_and_another_error_stays_apart(shared_kernel):
+    _, kc = shared_kernel
     assert run(kc, "%load_ext nbddp")[0] is None
     error, _, _ = run(kc, "%%ddp -n 4 --text\nx = 1\nprint(undefined_name)")
     assert error["ename"] == "CellFailed"
@@ -112,11 +113,13 @@ for i in nbddp.progress(range(12), desc="steps", every=0.05):
 """
 
 
-def test_tqdm_bars_of_ranks_at_different_speeds_are_one_bar_live_and_frozen_and_in_text(kernel):
+def test_tqdm_bars_of_ranks_at_different_speeds_are_one_bar_live_and_frozen_and_in_text(
+    shared_kernel,
+):
     """Live: the log's one bar is the slowest rank's, named, with the spread, and the rows
     show positions, not bars; frozen: one finished bar; --text: nbddp.progress folded."""
     pytest.importorskip("tqdm")
-    _, kc = kernel
+    _, kc = shared_kernel
     assert run(kc, "%load_ext nbddp")[0] is None
     reply = execute(kc, BARS, 120)
     assert reply.error is None, reply.text
