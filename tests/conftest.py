@@ -115,11 +115,11 @@ def pool_of_size(request):
 @pytest.fixture
 def kernel(tmp_path, monkeypatch):
     """A real Jupyter kernel (jupyter_client): (manager, client), shut down after."""
-    from jupyter_client.manager import start_new_kernel
+    from helpers import new_kernel
 
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
-    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
+    km, kc = new_kernel(tmp_path)
     try:
         yield km, kc
     finally:
@@ -131,13 +131,13 @@ def kernel(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def module_kernel(tmp_path_factory):
     """One real kernel for the module's tests that leave it usable: (manager, client)."""
-    from jupyter_client.manager import start_new_kernel
+    from helpers import new_kernel
 
     tmp = tmp_path_factory.mktemp("kernel")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JUPYTER_RUNTIME_DIR", str(tmp / "runtime"))
         mp.setenv("IPYTHONDIR", str(tmp / "ipython"))
-        km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
+        km, kc = new_kernel(tmp)
         try:
             yield km, kc
         finally:
@@ -153,8 +153,16 @@ def shared_kernel(module_kernel):
     km, kc = module_kernel
     yield km, kc
     assert km.is_alive(), "the test ended the module's kernel: give it a kernel of its own"
-    reply = kc.execute_interactive("%ddp status", timeout=60, output_hook=lambda msg: None)
+    printed: list[str] = []
+
+    def read(msg) -> None:
+        if msg["msg_type"] == "stream":
+            printed.append(msg["content"]["text"])
+
+    reply = kc.execute_interactive("%ddp status", timeout=60, output_hook=read)
     assert reply["content"]["status"] == "ok", reply["content"]
+    assert printed, "%ddp status printed nothing"
+    assert " dead" not in "".join(printed), "".join(printed)
 
 
 @pytest.fixture

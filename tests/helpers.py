@@ -318,6 +318,36 @@ def detached_family(name: str) -> Iterator[DetachedFamily]:
         family.clean()
 
 
+def ipc_kernel_manager(folder):
+    """A KernelManager of a python3 kernel that talks over Unix sockets in a new folder
+    under ``folder``. Over TCP, jupyter_client picks free ports that another process (the
+    other pytest-xdist worker's pool, kernel or server) may take before the kernel binds
+    them: "Address already in use", seen in a clean-clone run; a folder of its own cannot
+    be taken."""
+    import tempfile
+
+    from jupyter_client import KernelManager
+
+    ipc = tempfile.mkdtemp(prefix="k", dir=folder)
+    return KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(ipc, "ipc"))
+
+
+def new_kernel(folder, **start) -> tuple:
+    """(manager, client) of a real python3 kernel (:func:`ipc_kernel_manager`), ready;
+    ``start``: KernelManager.start_kernel's arguments (env, cwd)."""
+    km = ipc_kernel_manager(folder)
+    km.start_kernel(**start)
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+    except RuntimeError:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        raise
+    return km, kc
+
+
 def python3_notebook(cells: list[str]):
     """A notebook of these code cells that names the python3 kernelspec (without it a
     front end asks which kernel, and nbclient has none to start)."""
@@ -389,6 +419,8 @@ def jupyter_server(
         "--ServerApp.port_retries=0",
         f"--IdentityProvider.token={token}",
         f"--ServerApp.root_dir={root}",
+        "--KernelManager.transport=ipc",  # (its kernels: Unix sockets, no port to race for)
+        f"--KernelManager.ip={tmp_path / 'kernel-ipc'}",
         "--LanguageServerManager.autodetect=False",
         *own,
     ]

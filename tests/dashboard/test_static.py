@@ -29,6 +29,7 @@ from helpers import (
     CHROMIUM,
     WIDGET_MANAGER,
     frozen_charts,
+    ipc_kernel_manager,
     jupyter_server,
     open_notebook,
     python3_notebook,
@@ -112,7 +113,11 @@ def executed(tmp_path_factory):
     os.environ["IPYTHONDIR"] = str(tmp / "ipython")
     try:
         nbclient.NotebookClient(
-            nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp)}}
+            nb,
+            km=ipc_kernel_manager(tmp),
+            timeout=300,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(tmp)}},
         ).execute()
     finally:
         os.environ.clear()

@@ -8,10 +8,9 @@ import ast
 import os
 
 import pytest
-from jupyter_client.manager import start_new_kernel
 from test_kernel import execute
 
-from helpers import NAMESPACE_DIGEST
+from helpers import NAMESPACE_DIGEST, new_kernel
 
 pytestmark = pytest.mark.kernel
 
@@ -33,7 +32,7 @@ def kc(tmp_path_factory):
         IPYTHONDIR=str(tmp / "ipython"),
         NBDDP_HOME=str(tmp / "nbddp"),
     )
-    km, client = start_new_kernel(kernel_name="python3", startup_timeout=60)
+    km, client = new_kernel(tmp)
     try:
         assert execute(client, "%load_ext nbddp\nimport torch").error is None
         yield client

@@ -10,9 +10,8 @@ import signal
 import time
 
 import pytest
-from jupyter_client.manager import start_new_kernel
 
-from helpers import DetachedFamily, iopub_until_idle, wait_gone
+from helpers import DetachedFamily, iopub_until_idle, new_kernel, wait_gone
 from nbddp.detached import client
 from nbddp.pool.errors import NbddpError
 
@@ -368,7 +367,7 @@ def kernels(tmp_path, monkeypatch):
     started = []
 
     def start():
-        km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60, env=dict(os.environ))
+        km, kc = new_kernel(tmp_path, env=dict(os.environ))
         started.append((km, kc))
         return km, kc
 

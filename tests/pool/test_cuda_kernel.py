@@ -14,11 +14,10 @@ import os
 
 import pytest
 import torch
-from jupyter_client.manager import start_new_kernel
 from test_detached_kernel import digest, notebook_value
 from test_kernel import execute, kernels, restarted  # noqa: F401
 
-from helpers import detached_family
+from helpers import detached_family, new_kernel
 from nbddp.rank.gpus import plan
 
 CUDA = [
@@ -62,7 +61,7 @@ def kernel_for(tmp_path_factory):
         if kind not in started:
             tmp = tmp_path_factory.mktemp(f"kernel-{kind}")
             env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp / "rt"), IPYTHONDIR=str(tmp / "ip"))
-            started[kind] = start_new_kernel(kernel_name="python3", startup_timeout=60, env=env)
+            started[kind] = new_kernel(tmp, env=env)
             ok(started[kind][1], "%load_ext nbddp\nimport torch")
         return started[kind][1]
 

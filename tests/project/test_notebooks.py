@@ -9,6 +9,7 @@ import nbclient
 import nbformat
 import pytest
 
+from helpers import ipc_kernel_manager
 from tiers import slow
 
 NOTEBOOKS = sorted((Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
@@ -50,7 +51,11 @@ def test_notebook_runs_without_errors(path, tmp_path, monkeypatch):
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
-        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+        nb,
+        km=ipc_kernel_manager(tmp_path),
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
     )
     client.execute()  # raises CellExecutionError on any untagged error
     code = [c for c in nb.cells if c.cell_type == "code"]

@@ -13,6 +13,7 @@ import pytest
 from nbclient import NotebookClient
 from test_kernel import execute
 
+from helpers import ipc_kernel_manager
 from tiers import sizes
 
 pytestmark = pytest.mark.kernel
@@ -154,7 +155,13 @@ def test_without_an_input_box_a_breakpoint_says_so_and_the_cell_ends(tmp_path):
         ),
         nbformat.v4.new_code_cell("%ddp stop"),
     ]
-    client = NotebookClient(nb, timeout=120, allow_errors=True, resources={"metadata": {}})
+    client = NotebookClient(
+        nb,
+        km=ipc_kernel_manager(tmp_path),
+        timeout=120,
+        allow_errors=True,
+        resources={"metadata": {}},
+    )
     client.execute()
     outputs = nb.cells[1].outputs
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
