@@ -113,37 +113,21 @@ def pool_of_size(request):
 
 
 @pytest.fixture
-def kernel(tmp_path, monkeypatch):
+def kernel(tmp_path):
     """A real Jupyter kernel (jupyter_client): (manager, client), shut down after."""
-    from helpers import new_kernel
+    from helpers import running_kernel
 
-    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
-    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
-    km, kc = new_kernel(tmp_path)
-    try:
-        yield km, kc
-    finally:
-        kc.stop_channels()
-        if km.is_alive():
-            km.shutdown_kernel(now=True)
+    with running_kernel(tmp_path) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
 def module_kernel(tmp_path_factory):
     """One real kernel for the module's tests that leave it usable: (manager, client)."""
-    from helpers import new_kernel
+    from helpers import running_kernel
 
-    tmp = tmp_path_factory.mktemp("kernel")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JUPYTER_RUNTIME_DIR", str(tmp / "runtime"))
-        mp.setenv("IPYTHONDIR", str(tmp / "ipython"))
-        km, kc = new_kernel(tmp)
-        try:
-            yield km, kc
-        finally:
-            kc.stop_channels()
-            if km.is_alive():
-                km.shutdown_kernel(now=True)
+    with running_kernel(tmp_path_factory.mktemp("kernel")) as started:
+        yield started
 
 
 @pytest.fixture

@@ -348,6 +348,24 @@ def new_kernel(folder, **start) -> tuple:
     return km, kc
 
 
+@contextlib.contextmanager
+def running_kernel(folder) -> Iterator[tuple]:
+    """:func:`new_kernel` with its runtime and IPython folders under ``folder`` (set in
+    this process while it runs): (manager, client), shut down at the end."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_RUNTIME_DIR", str(folder / "runtime"))
+        mp.setenv("IPYTHONDIR", str(folder / "ipython"))
+        km, kc = new_kernel(folder)
+        try:
+            yield km, kc
+        finally:
+            kc.stop_channels()
+            if km.is_alive():
+                km.shutdown_kernel(now=True)
+
+
 def python3_notebook(cells: list[str]):
     """A notebook of these code cells that names the python3 kernelspec (without it a
     front end asks which kernel, and nbclient has none to start)."""

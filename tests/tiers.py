@@ -18,9 +18,3 @@ def sizes(*ns: int, ids: str = "{}ranks") -> list:
     default run, the other sizes marked ``slow``."""
     keep = {3 if 3 in ns else min(ns)} | ({8} & set(ns))
     return [pytest.param(n, id=ids.format(n), marks=() if n in keep else slow) for n in ns]
-
-
-def slow_ids(params, *slow_ones) -> list:
-    """``params`` (values of one parametrize), those whose id is among ``slow_ones``
-    marked ``slow``: one case of a slow area stays in the default run."""
-    return [pytest.param(p, id=str(p), marks=slow if str(p) in slow_ones else ()) for p in params]
