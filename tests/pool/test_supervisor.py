@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from nbddp.pool.supervisor import SAMPLE_EVERY, SAMPLE_FAST, SETTLE, Action, CellSupervisor
+from nbddp.pool.supervisor import (
+    SAMPLE_EVERY,
+    SAMPLE_FAST,
+    SETTLE,
+    SILENT,
+    Action,
+    CellSupervisor,
+)
 
 CELL = "<ddp-cell-1>"
 IN_REDUCE = (
@@ -13,6 +20,16 @@ IN_REDUCE = (
     ("/site/torch/distributed/distributed_c10d.py", 2900, "all_reduce", "work.wait()"),
 )
 IN_SLEEP = ((CELL, 5, "<module>", "time.sleep(60)"),)
+# a DDP backward: its all_reduce runs in C++, so no torch.distributed frame names it
+IN_BACKWARD = (
+    (CELL, 8, "<module>", "model(x).sum().backward()"),
+    ("/site/torch/_tensor.py", 630, "backward", "torch.autograd.backward("),
+    ("/site/torch/autograd/graph.py", 841, "_engine_run_backward", "return Variable._exec"),
+)
+IN_FORWARD = (
+    (CELL, 8, "<module>", "model(x).sum().backward()"),
+    ("/site/torch/nn/parallel/distributed.py", 1700, "forward", "output = self._run_ddp"),
+)
 
 
 class FakeRanks:
@@ -21,7 +38,7 @@ class FakeRanks:
     def __init__(self, n: int, **options) -> None:
         self.now = 100.0
         self.sup = CellSupervisor(1, list(range(n)), self.now, **options)
-        self.places = {r: IN_SLEEP for r in range(n)}
+        self.places: dict[int, tuple | None] = {r: IN_SLEEP for r in range(n)}
         self.log: list[Action] = []
 
     def step(self, dt: float = 0.0) -> list[Action]:
@@ -31,7 +48,8 @@ class FakeRanks:
         for action in actions:
             if action.kind == "stacks":
                 for r in action.ranks:
-                    self.sup.stacks(r, self.places[r], self.now)
+                    if self.places[r] is not None:  # (None: a rank that does not answer)
+                        self.sup.stacks(r, self.places[r], self.now)
         return actions
 
     def finish(self, rank: int, status: str = "ok") -> None:
@@ -100,16 +118,71 @@ def test_ranks_still_blocked_after_the_abort_stop_the_pool_after_grace():
     assert ranks.sup.finished
 
 
-def test_ranks_computing_after_the_abort_are_left_alone():
-    ranks = FakeRanks(3, grace=3.0)
-    ranks.places = {r: IN_REDUCE for r in range(3)}
+def _run_by_deadlines(ranks: FakeRanks, until: float) -> None:
+    """Step the clock as the pool does, from one deadline to the next: each deadline
+    is in the future once :meth:`due` has run (else the pool would ask again at once,
+    for ever, a core spinning while the cell never ends)."""
+    while ranks.now < until and "stop" not in ranks.kinds():
+        deadline = ranks.sup.deadline
+        assert deadline is not None
+        assert deadline > ranks.now, (deadline, ranks.now)
+        ranks.step(deadline - ranks.now)
+
+
+@pytest.mark.parametrize("n", [3, 8])
+def test_ranks_computing_after_the_abort_are_left_alone(n):
+    ranks = FakeRanks(n, grace=3.0)
+    ranks.places = {r: IN_REDUCE for r in range(n)}
     ranks.finish(1, "error")
     ranks.step_until("abort")
-    ranks.places = {0: IN_SLEEP, 2: IN_SLEEP}  # freed, they went on with other work
+    # freed, they went on with other work (at one cell line, or moving through torch's)
+    ranks.places = {r: IN_SLEEP if r % 2 else IN_FORWARD for r in range(n) if r != 1}
+    moving = [r for r in ranks.places if not r % 2]
     for _ in range(60):
         ranks.step(SAMPLE_FAST)
+        for r in moving:
+            ranks.places[r] = IN_BACKWARD if ranks.places[r] is IN_FORWARD else IN_FORWARD
+    ranks.places.update(dict.fromkeys(moving, IN_SLEEP))  # a long sleep in the cell
+    _run_by_deadlines(ranks, ranks.now + 30.0)
     assert "stop" not in ranks.kinds()
     assert ranks.sup.stopped is None
+
+
+@pytest.mark.parametrize("n", [3, 8])
+def test_ranks_left_in_a_ddp_backward_after_the_abort_are_stopped_after_grace(n):
+    """A DDP backward's all_reduce runs in C++: a rank the abort did not free waits in
+    torch's autograd code, with no torch.distributed frame. It is stopped like a rank
+    left in a collective (before, the cell waited for it for ever, asking at once
+    again and again: the 8-rank hang of issue 46)."""
+    ranks = FakeRanks(n, grace=1.0, replace_dead=True)
+    ranks.places = {r: IN_BACKWARD for r in range(n)}
+    ranks.sup.died(1, ranks.now)
+    ranks.places[1] = None
+    ranks.step()
+    assert "abort" in ranks.kinds()
+    aborted = ranks.now
+    for r in range(n):
+        if r not in (1, 2):
+            ranks.finish(r, "error")  # freed; rank 2 stays in the backward
+    _run_by_deadlines(ranks, aborted + 10.0)
+    assert Action("stop", (2,), "abort") in ranks.log
+    assert aborted + 1.0 <= ranks.now < aborted + 1.0 + SAMPLE_EVERY + SAMPLE_FAST
+
+
+def test_a_rank_silent_since_the_abort_is_stopped_after_grace_and_silent():
+    """C code that holds the GIL: the rank cannot even say where it is."""
+    ranks = FakeRanks(3, grace=1.0)
+    ranks.places = {r: IN_REDUCE for r in range(3)}
+    ranks.finish(1, "error")
+    ranks.places[2] = None  # answers no sample from now on
+    ranks.step_until("abort")
+    aborted = ranks.now
+    ranks.finish(0, "error")
+    _run_by_deadlines(ranks, aborted + 1.0 + SILENT - SAMPLE_EVERY)
+    assert "stop" not in ranks.kinds()  # (answers may be slow on a busy machine)
+    _run_by_deadlines(ranks, aborted + 30.0)
+    assert Action("stop", (2,), "abort") in ranks.log
+    assert ranks.now < aborted + 1.0 + SILENT + 2 * SAMPLE_EVERY
 
 
 def test_a_failure_waits_abort_after_when_a_rank_is_still_computing():

@@ -22,7 +22,10 @@ The cell::
            (a rank seen there once may be finishing a collective the failed rank
            took part in: on a busy machine it is scheduled late, not blocked)
         -> ranks still waiting in a collective grace s after the abort did not come
-           free (a group nbddp could not reach): stop the pool
+           free (a group nbddp could not reach), nor ranks that stayed grace/2 s at one
+           place in torch's own code (a DDP backward: its all_reduce runs in C++, with no
+           torch.distributed frame), nor ranks not heard from since the abort by
+           grace + SILENT s (C code that holds the GIL): stop the pool
     interrupt (stop button, Ctrl-C) or --timeout, at t
         -> stacks are taken (where each rank was), then SIGINT to the running ranks
         -> abort at t + grace/2, or sooner when a rank has ended and every
@@ -44,7 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..wire.stacks import Frame, collective
+from ..wire.stacks import Frame, collective, in_torch
 from .deadlock import Deadlock, Seen, disagreeing, judge
 from .phases import ENDED, FINAL, Phases
 
@@ -55,6 +58,7 @@ SAMPLE_FAST = 0.1  # stacks after a failure, to abort as soon as the others wait
 SETTLE = 0.2  # seen waiting in the same collective this long after a failure: blocked
 SUSPECT_EVERY = 0.25  # positions while some ranks have finished and others still run
 DISAGREE_SETTLE = 0.3  # ranks in different collectives at one place this long: deadlocked
+SILENT = 5.0  # past the grace period, a rank that has not answered since the abort: stuck
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,7 @@ class CellSupervisor:
         self._next_sample = self.now + (SUSPECT_EVERY if self.others else self._every)
         self._pending: list[Action] = []
         self._news = False  # positions came since the last judgement
+        self._past_grace = False  # the abort's grace period is over (asked at each sample)
 
     @property
     def triggered_at(self) -> float | None:
@@ -313,7 +318,19 @@ class CellSupervisor:
     def _still_blocked_after_abort(self, now: float) -> bool:
         if self.aborted_at is None or now < self.aborted_at + self.grace:
             return False  # (before the walk over the ranks: this is asked at every event)
-        return any(self._blocked(r, self.aborted_at) for r in self.running)
+        self._past_grace = True  # (from now on, the samples' own deadlines pace the checks)
+        return any(self._stuck(r, now) for r in self.running)
+
+    def _stuck(self, rank: int, now: float) -> bool:
+        """After the abort's grace period: the abort did not free ``rank``."""
+        after = self.aborted_at or 0.0
+        if self._blocked(rank, after):
+            return True  # still in the collective
+        w = self.where.get(rank)
+        if w is None or w.taken < after:
+            return now >= after + self.grace + SILENT  # not one answer since: C holds the GIL
+        stayed = max(SETTLE, self.grace / 2)  # a freed rank leaves torch's code at once
+        return in_torch(w.frames) and w.taken - max(w.since, after) >= stayed
 
     def _blocked(self, rank: int, after: float) -> bool:
         """Seen since ``after``, waiting in the same collective for SETTLE s or more."""
@@ -362,7 +379,14 @@ class CellSupervisor:
         if self.interrupt_at is not None:
             times.append(self.interrupt_at + self.grace)
         running = self.phase.count["running"]  # (asked at every event: no walk over the ranks)
-        if self.aborted_at is not None and running and self.interrupt_at is None:
+        # (past the grace period the samples pace the checks: a deadline in the past
+        # would be asked again at once, for ever)
+        if (
+            self.aborted_at is not None
+            and running
+            and not self.interrupt_at
+            and not self._past_grace
+        ):
             times.append(self.aborted_at + self.grace)
         if self.aborted_at is None and running:
             if self.died_at is not None:

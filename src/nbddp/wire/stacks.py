@@ -20,6 +20,7 @@ __all__ = [
     "format_groups",
     "frames_of",
     "group",
+    "in_torch",
     "is_are",
     "main_thread_frames",
     "rank_set",
@@ -32,6 +33,7 @@ CELL_PREFIX = "<ddp-"  # the filenames cells (and --imports) run under: <ddp-cel
 Frame = tuple[str, int, str, str]
 
 _DIST = ("torch/distributed/", "torch\\distributed\\")
+_TORCH = ("/torch/", "\\torch\\")
 _WRAPPERS = {"wrapper", "_fn", "inner", "decorate_context"}
 
 
@@ -69,6 +71,16 @@ def collective(frames: tuple[Frame, ...]) -> str | None:
         if any(part in f[0] for part in _DIST) and f[2] not in _WRAPPERS:
             return None if f[2] == "<module>" else f[2]
     return None
+
+
+def in_torch(frames: tuple[Frame, ...]) -> bool:
+    """The innermost frame is torch's own code, called from the cell: a DDP forward or
+    backward, say, whose collectives run in C++ with no torch.distributed frame."""
+    return (
+        bool(frames)
+        and not frames[-1][0].startswith(CELL_PREFIX)
+        and any(part in frames[-1][0] for part in _TORCH)
+    )
 
 
 def summary(frames: tuple[Frame, ...]) -> str:
