@@ -29,7 +29,7 @@ from . import metrics, profiling, rich
 from .control import flush_streams, write_marker
 from .ddp import DDPContext
 from .group import GroupKeeper, layout
-from .seq import call_group, call_shape
+from .seq import call_group, call_shape, thread_ops
 from .user_code import OUT_OF_MEMORY, adopt, error_info, run_code, run_script, unwrap
 
 __all__ = ["CellInterrupts", "CellRunner"]
@@ -108,6 +108,7 @@ class CellRunner:
         self.failed_oom = False  # ... and it ran out of memory (its frames were let go)
         self.namespace: dict = {}
         self.places_before: tuple = ()  # each group's count as the running cell started
+        self.thread_ops_before = 0  # the operations other threads had issued by then
         self.signal_main: Callable[[], None] = _sigint_self  # raises KeyboardInterrupt there
 
     def make_namespace(self, ctx: DDPContext) -> None:
@@ -174,6 +175,7 @@ class CellRunner:
         metrics.new_cell()
         self.cell, self.running = msg.cell, True
         self.places_before = self.group.positions()  # (did the cell issue a collective?)
+        self.thread_ops_before = thread_ops()  # (or a thread, while it ran)
         try:
             out = self._execute(msg)
         finally:
@@ -204,7 +206,8 @@ class CellRunner:
             needs_group=lost,
             profile=out.profile,
             places=places,
-            issued=lost or places != self.places_before,  # (cells without: re-run on a new rank)
+            # (cells without: re-run on a new rank)
+            issued=lost or places != self.places_before or thread_ops() != self.thread_ops_before,
         )
         self.send(dataclasses.replace(done, **self.changed_names()))
 
