@@ -14,7 +14,7 @@ import signal
 import time
 
 import pytest
-from test_kernel import execute, kernels, one_usage_error, ranks_printing  # noqa: F401
+from test_kernel import execute, kernels, one_usage_error, ranks_printing, restarted  # noqa: F401
 
 from helpers import NAMESPACE_DIGEST, detached_family, wait_gone
 from tiers import sizes
@@ -96,3 +96,53 @@ def test_a_kernel_killed_mid_cell_then_a_second_kernel_lose_nothing(kernels, n):
         assert digest(c) == after
 
         family.stopped_by(lambda: execute(c, f"%ddp stop {name}"))
+
+
+TRAIN_IN_PLACE = (  # the ranks change the model the notebook sent them, in place
+    "%%ddp --text --quiet\nwith torch.no_grad():\n    model.weight.fill_(lr)\n"
+    "float(model.weight.sum())"
+)
+READ = "%%ddp --text --out seen_\n(lr, round(float(model.weight.sum()), 6))"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", sizes(2, 4, ids="{}"))
+def test_after_a_kernel_restart_the_ranks_keep_what_an_earlier_kernel_sent(kernels, n):  # noqa: F811
+    """Issue 47, item 2: shipped objects' versions were counted from 1 in every kernel. A
+    restarted kernel's ``lr`` and fresh ``model`` read by a cell either left the ranks'
+    values under a ``shipped lr`` line, or replaced the model the ranks had trained,
+    depending only on the order the names were first read. Now the ranks keep theirs,
+    the notebook says so once, and ``%ddp push`` sends the notebook's."""
+    name = f"kv{n}"
+    km, kc = kernels()
+    assert execute(kc, "%load_ext nbddp").error is None
+    assert execute(kc, f"%ddp start -n {n} --detached {name}").error is None
+    with detached_family(name) as family:
+        assert execute(kc, "import torch\nlr = 0.1\nmodel = torch.nn.Linear(3, 1)").error is None
+        r = execute(kc, TRAIN_IN_PLACE)
+        assert r.error is None, r.text
+        assert "shipped" in r.text, r.text  # lr and model, automatically
+
+        kc = restarted(km, kc)  # the pool lives on; the new kernel binds both anew
+        assert execute(kc, "%load_ext nbddp").error is None
+        assert execute(kc, f"%ddp connect {name}").error is None
+        setup = "import torch\nmodel = torch.nn.Linear(3, 1)\nlr = 0.001"  # (read in this order)
+        assert execute(kc, setup).error is None
+        r = execute(kc, READ)
+        assert r.error is None, r.text
+        kept = [line for line in r.text.splitlines() if "the ranks keep their own" in line]
+        assert len(kept) == 1, r.text
+        assert kept[0].startswith("nbddp: lr, model: the ranks keep their own"), kept
+        assert "%ddp push lr model" in kept[0], kept
+        assert "shipped" not in r.text, r.text
+        seen = ast.literal_eval(execute(kc, "print(repr(seen_))").stdout.strip())
+        assert seen == [(0.1, 0.3)] * n  # the trained model and its lr, on every rank
+
+        r = execute(kc, READ)  # said once
+        assert "keep their own" not in r.text, r.text
+        assert execute(kc, "%ddp push lr").error is None
+        assert execute(kc, READ).error is None
+        seen = ast.literal_eval(execute(kc, "print(repr(seen_))").stdout.strip())
+        assert seen == [(0.001, 0.3)] * n  # the notebook's lr; the ranks' model still
+
+        family.stopped_by(lambda: execute(kc, f"%ddp stop {name}"))

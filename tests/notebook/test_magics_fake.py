@@ -37,6 +37,9 @@ class FakePool:
     def names_on(self, ranks=None) -> frozenset[str]:
         return self.on_ranks
 
+    def shipped_on(self, ranks=None) -> frozenset[str]:
+        return frozenset()
+
     def ready(self) -> None:
         self.calls.append(("ready", {}))
 

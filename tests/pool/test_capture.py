@@ -373,6 +373,19 @@ def test_an_objects_version_holds_across_generations_while_the_notebook_binds_it
     assert len({first["t"], first["n"], again["t"], again["n"]}) == 4
 
 
+def test_two_kernels_versions_never_meet_and_say_whose_they_are():
+    """Issue 47, item 2: each kernel counted from 1, so a restarted kernel's ``lr`` could
+    carry the version of the earlier kernel's: a detached pool's ranks took it for theirs."""
+    from nbddp.wire import protocol as P
+
+    a, b, lr = Shipped(), Shipped(), 0.1
+    va, vb = a.versions({"lr": lr}), b.versions({"lr": lr})
+    assert va["lr"] != vb["lr"]
+    assert P.kernel_of(va["lr"]) == P.kernel_of(a.versions({"m": [1]})["m"]) == a.tag
+    assert P.kernel_of(va["lr"]) != P.kernel_of(vb["lr"])
+    assert a.names() == {"lr", "m"}
+
+
 def test_a_collected_object_is_not_mistaken_for_a_new_one():
     import gc
 

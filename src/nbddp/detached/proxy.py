@@ -93,6 +93,9 @@ class DetachedPool(PoolCalls):
     def names_on(self, ranks=None) -> frozenset[str]:
         return self._call("names_on", ranks)
 
+    def shipped_on(self, ranks=None) -> frozenset[str]:
+        return self._call("shipped_on", ranks)
+
     def ready(self) -> None:
         """The supervisor's pool, ready for a cell (a dead rank replaced) before this
         kernel decides what to ship."""

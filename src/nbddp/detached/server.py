@@ -50,7 +50,9 @@ from .outbox import SEND_DEADLINE
 __all__ = ["KILL_AFTER", "Supervisor", "main"]
 
 KILL_AFTER = 10.0  # s past the grace period a stop waits for a cell before it kills all
-CALLS = ("status", "stacks", "copy", "restart", "names_on", "listing", "stop", "ready")
+CALLS = (
+    "status", "stacks", "copy", "restart", "names_on", "shipped_on", "listing", "stop", "ready",
+)  # fmt: skip
 
 
 class Supervisor:

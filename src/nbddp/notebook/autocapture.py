@@ -38,6 +38,7 @@ class AutoCapture:
         # rank, in order: replayed to ranks with a fresh namespace
         self.import_log: list[str] = []
         self.shipped = capture.Shipped()
+        self._told_theirs: set[str] = set()  # names said kept by the ranks (_keep_theirs)
         # rank -> (its namespace's number, how many of import_log that namespace ran)
         self._ran: dict[int, tuple[int | None, int]] = {}
 
@@ -116,11 +117,14 @@ class AutoCapture:
 
     def _select(self, pool, cell: str, ranks, explicit):
         """(objects, their sizes, notes, the packed shipment) for ``cell``."""
+        code = self.shell.transform_cell(cell)  # what the ranks compile: magics made calls
+        theirs = pool.shipped_on(ranks) - self.shipped.names()  # another kernel sent them
+        told = self._keep_theirs(code, theirs, explicit)
         try:
             objects, sizes, notes = capture.select_auto(
-                self.shell.transform_cell(cell),  # what the ranks compile: magics made calls
+                code,
                 self.shell.user_ns,
-                pool.names_on(ranks),
+                pool.names_on(ranks) | theirs,
                 explicit,
                 self.limit,
                 capture.names_imported(self.import_log),
@@ -128,8 +132,28 @@ class AutoCapture:
             )
             auto = capture.pack(objects, pool.shm_folder)
         except CaptureError as exc:
-            return {}, {}, [str(exc)], None
-        return objects, sizes, notes, auto
+            return {}, {}, [*told, str(exc)], None
+        return objects, sizes, told + notes, auto
+
+    def _keep_theirs(self, code: str, theirs: frozenset[str], explicit) -> list[str]:
+        """One line, once per name, for names the cell reads that the ranks hold from an
+        earlier kernel (a detached pool) and this notebook binds too: the ranks keep
+        theirs (a model they trained is not replaced by the notebook's fresh one)."""
+        names = sorted(
+            n
+            for n in capture.names_read(code)
+            if n in theirs and n in self.shell.user_ns and n not in explicit
+        )
+        names = [n for n in names if n not in self._told_theirs]
+        self._told_theirs.update(names)
+        if not names:
+            return []
+        listed = ", ".join(names)
+        return [
+            f"{listed}: the ranks keep their own (an earlier kernel sent "
+            f"{'them' if len(names) > 1 else 'it'}), not this notebook's; "
+            f"%ddp push {' '.join(names)} sends this notebook's"
+        ]
 
 
 def _imports(count: int) -> str:

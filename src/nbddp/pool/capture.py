@@ -10,10 +10,12 @@ from __future__ import annotations
 import ast
 import itertools
 import re
+import secrets
 import symtable
 import weakref
 
 from ..wire import payload
+from ..wire import protocol as P
 from .errors import CaptureError
 from .sizes import human, parse_size, size_of
 
@@ -310,7 +312,10 @@ class Shipped:
         self.generation = -1  # pragma: no mutate (any number no pool has)
         self._sent: dict[str, object] = {}
         self._versions: dict[str, tuple[object, int]] = {}  # name -> (ref, version)
-        self._count = itertools.count(1)
+        # this notebook's versions: its random tag, then a count (P.kernel_of): a rank
+        # that holds another kernel's object (a detached pool) knows it is not ours
+        self.tag = secrets.randbits(40)
+        self._count = itertools.count((self.tag << P.VERSION_COUNT_BITS) + 1)
 
     def _ref(self, obj: object):
         try:
@@ -332,6 +337,10 @@ class Shipped:
         """Every rank of ``generation`` holds ``obj`` as ``name`` now."""
         self._at(generation)
         self._sent[name] = self._ref(obj)
+
+    def names(self) -> frozenset[str]:
+        """The names this notebook ever shipped."""
+        return frozenset(self._versions)
 
     def versions(self, objects: dict[str, object]) -> dict[str, int]:
         """Each object's version: the same while the notebook binds the same object."""

@@ -184,6 +184,11 @@ class Pool(PoolLife, PoolRepair, PoolCalls):
         """Global names every one of ``ranks`` (all by default) has, as last reported."""
         return self.roster.names_on(ranks)
 
+    def shipped_on(self, ranks: list[int] | None = None) -> frozenset[str]:
+        """Names every one of ``ranks`` holds still bound to what a notebook shipped
+        (this kernel, or one before it on a detached pool), as last reported."""
+        return self.roster.shipped_on(ranks)
+
     @property
     def shm_folder(self) -> str | None:
         """Where tensors shipped to the ranks go: the pool's private shared-memory folder

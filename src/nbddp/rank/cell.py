@@ -304,8 +304,11 @@ class CellRunner:
         An object with a version is the notebook's: a name still bound to it stays
         the notebook's, and a newer version (the notebook bound the name to another
         object) replaces it; the same version is kept as the rank holds it (changed
-        in place, maybe: a model it trained). An object without one (``%ddp copy``,
-        a function's arguments) is the rank's own from now on.
+        in place, maybe: a model it trained). What another notebook sent (a kernel
+        that has since restarted, on a detached pool) is the rank's own from the
+        first cell of a new one that would ship it: kept, as a name the rank bound
+        itself (``%ddp push``, ``--need``, overwrite). An object without a version
+        (``%ddp copy``, a function's arguments) is the rank's own from now on.
         """
         for name, obj in objects.items():
             version = versions.get(name)
@@ -321,7 +324,12 @@ class CellRunner:
     def _notebook_may_bind(self, name: str, version: int | None) -> bool:
         if name not in self.namespace:
             return True
-        return self._from_notebook(name) and self.versions.get(name) != version
+        held = self.versions.get(name)
+        if held is None or version is None or P.kernel_of(held) != P.kernel_of(version):
+            self.shipped.pop(name, None)  # another notebook's: the rank's own from now on
+            self.versions.pop(name, None)
+            return False
+        return self._from_notebook(name) and held != version
 
     def _from_notebook(self, name: str) -> bool:
         return name in self.shipped and self.namespace.get(name) is self.shipped[name]

@@ -87,13 +87,23 @@ __all__ = [
     "StreamHello",
     "dumps",
     "end_marker",
+    "kernel_of",
     "loads",
     "slurm_of",
     "split_markers",
     *events.__all__,
 ]
 
-PROTOCOL_VERSION = 10  # 9: Done.places; 10: Done.issued, Ready.rebound, Ready.stale
+PROTOCOL_VERSION = 11  # 10: Done.issued, Ready.rebound, Ready.stale; 11: versions by kernel
+
+# A shipped object's version (Run.versions): the notebook's own random tag (high bits),
+# then its count, so versions from two kernels (a detached pool outlives one) never meet
+VERSION_COUNT_BITS = 24
+
+
+def kernel_of(version: int) -> int:
+    """The tag of the notebook that gave ``version``."""
+    return version >> VERSION_COUNT_BITS
 
 
 # ---------------------------------------------------------------- data
@@ -300,7 +310,8 @@ class Run:
     needs: bytes | None = None  # {name: object} (nbddp.wire.payload), bound on the rank
     auto: bytes | None = None  # {name: object} captured automatically: bound where unbound
     # (name, version) of the notebook's objects in needs and auto: a rank that holds a
-    # version keeps it (see CellRunner._bind); a name without one becomes the rank's own
+    # version keeps it, and one another notebook sent (see CellRunner._bind); a name
+    # without one becomes the rank's own
     versions: tuple[tuple[str, int], ...] = ()
     want_value: bool = False
     display: bool = False  # send rich output (display(), figures) from this rank
