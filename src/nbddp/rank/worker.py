@@ -97,6 +97,7 @@ class Worker:
             self.send(P.Fatal(error_info(exc)))
             self._exit(1)
         self._ready(generation)
+        holder.taken_in()  # (its holder, if any, counts the new ranks never taken in)
         work = {
             P.Run: self.cells.run,
             P.AbortGroup: self.cells.abort_between_cells,
