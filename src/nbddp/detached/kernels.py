@@ -18,6 +18,7 @@ import threading
 import time
 
 from ..wire import handshake
+from ..wire import protocol as P
 from . import messages as W
 from .messages import Link
 from .outbox import SEND_DEADLINE, Outbox
@@ -41,6 +42,7 @@ class Kernels:
         self.backlog = W.Backlog()
         self.notes: list[str] = []  # for the next cell's end
         self.idle_since = time.monotonic()
+        self.prompts = 0  # the client's rank pdb prompts not answered yet (it waits on us)
         self._greeting = threading.BoundedSemaphore(GREETING)
 
     # ------------------------------------------------------------ arriving
@@ -104,7 +106,7 @@ class Kernels:
             resumed = cells[-1] if cells else None
         outbox = Outbox(conn, self._lost, self.deadline)
         outbox.put(W.Welcome(self.sup.state(), resumed), *([W.Batch(items)] if items else []))
-        self.client, self.client_pid = outbox, pid
+        self.client, self.client_pid, self.prompts = outbox, pid, _prompts(items)
         threading.Thread(target=self._read, args=(outbox, pid), daemon=True).start()
 
     # ------------------------------------------------------------ reading
@@ -134,6 +136,8 @@ class Kernels:
                 if msg.request is None or msg.request == sup.running:
                     sup.pool.interrupt()
             elif isinstance(msg, W.DebugReply):
+                with self.lock:
+                    self.prompts = max(0, self.prompts - 1)
                 sup.pool.debug_reply(msg.prompt, msg.line)
             else:
                 if isinstance(msg, W.Call) and msg.method == "stop":
@@ -169,12 +173,20 @@ class Kernels:
     # ------------------------------------------------------------ sending
 
     def send(self, item: object) -> None:
-        """To the kernel connected (never waits), else kept for the next one."""
+        """To the kernel connected (never waits), else kept for the next one.
+
+        A kernel at a rank's pdb prompt reads nothing until the user answers: it is sent
+        no Ticks meanwhile (they would fill its socket for nothing), and is never cut off
+        for not reading (:meth:`check`)."""
         with self.lock:
-            if self.client is not None:
-                self.client.put(item)
-            else:
+            if self.client is None:
                 self.backlog.extend((item,))
+                return
+            self.prompts += _prompts([item])
+            if self.prompts and isinstance(item, W.Batch):
+                item = W.Batch(tuple(i for i in item.items if not _is_tick(i)))
+            if not isinstance(item, W.Batch) or item.items:
+                self.client.put(item)
 
     def reply(self, outbox: Outbox, item: object) -> None:
         """To the kernel that asked, if it is still the one connected."""
@@ -186,7 +198,8 @@ class Kernels:
         """Drop a kernel whose send has waited past the deadline."""
         with self.lock:
             self.leaving = [o for o in self.leaving if not o.ended]
-            outboxes = [*self.leaving, *([self.client] if self.client else [])]
+            waits = self.client is None or self.prompts  # (at a prompt: the user, not it)
+            outboxes = [*self.leaving, *([] if waits else [self.client])]
         for outbox in outboxes:
             outbox.check(now)
 
@@ -218,6 +231,16 @@ class Kernels:
         if client is not None:
             client.close(last)
             client.join(timeout)
+
+
+def _is_tick(item: object) -> bool:
+    return isinstance(item, W.Event) and isinstance(item.event, P.Tick)
+
+
+def _prompts(items) -> int:
+    """The rank pdb prompts in ``items`` (Batches opened)."""
+    flat = [i for item in items for i in (item.items if isinstance(item, W.Batch) else (item,))]
+    return sum(isinstance(i, W.Event) and isinstance(i.event, P.RankDebug) for i in flat)
 
 
 def _last_word(conn: Link, msg: object) -> None:

@@ -34,6 +34,7 @@ from ..pool.cell import left_unread
 from ..pool.outcome import RawValue, load_value
 from ..wire import payload
 from ..wire import protocol as P
+from . import folder as F
 from . import messages as W
 
 __all__ = ["DetachedPool"]
@@ -168,6 +169,14 @@ class DetachedPool(PoolCalls):
                 _discard(msg)
 
     def _gone(self):
+        """The connection ended: the pool ended with it, or only the connection did (its
+        supervisor lives on, holding its folder): the truth either way."""
+        if F.held(W.folder_of(self.name)):
+            self._close(
+                f"the connection to the detached pool {self.name} was cut (it broke, or this "
+                "kernel did not read in time); the pool runs on, every rank's state kept: "
+                f"`%ddp connect {self.name}` again"
+            )
         self.gone = True
         self._close(
             f"the detached pool {self.name} is gone (its supervisor ended): its ranks' state "
