@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+from ..pool.sizes import human
 from ..wire import handshake
 from ..wire import protocol as P
 from . import messages as W
@@ -218,10 +219,11 @@ class Kernels:
             notes, self.notes = self.notes, []
             if self.backlog.dropped:
                 notes.append(
-                    f"{self.backlog.dropped} lines the ranks printed while no kernel read them "
-                    f"were dropped (the last {self.backlog.limit} kept)"
+                    f"while no kernel read them, {self.backlog.said_dropped()} were dropped "
+                    f"(the last {self.backlog.limit:,}, {human(self.backlog.max_bytes)} at "
+                    "most, are kept)"
                 )
-                self.backlog.dropped = 0
+                self.backlog.dropped.clear()
         return notes
 
     def goodbye(self, last: object | None, timeout: float = 2.0) -> None:

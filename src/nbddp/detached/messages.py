@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 import pickle
 import threading
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from ..wire import protocol as P
@@ -46,6 +46,7 @@ from ..wire.frames import Channel
 __all__ = [
     "ADDRESS",
     "BACKLOG",
+    "BACKLOG_BYTES",
     "IDLE_TIMEOUT",
     "JOINED",
     "Backlog",
@@ -71,7 +72,8 @@ __all__ = [
 ]
 
 VERSION = 2  # 2: requests and answers carry an id
-BACKLOG = 10_000  # output events kept for a kernel that does not read them now
+BACKLOG = 10_000  # bulk events (output, metrics...) kept for a kernel that does not read
+BACKLOG_BYTES = 64 * 2**20  # and their size at most
 IDLE_TIMEOUT = 3600.0  # s without a kernel before the pool stops itself (0: never)
 # an attached pool's start (``%ddp attach --detached``), in its folder: where its supervisor
 # listens for the ranks (written once it listens), and how many have joined so far
@@ -236,45 +238,89 @@ def is_output(item: object) -> bool:
     return isinstance(item, Event) and isinstance(item.event, P.Output)
 
 
-class Backlog:
-    """What waits for a kernel to read it, in order, with at most ``limit`` output events
-    (the oldest go first, counted in :attr:`dropped`; every other event is kept)."""
+# what a backlog bounds (the rest, a cell's end, replies, exits, states, prompts, are a
+# few per cell and always kept); Ticks are not kept at all: they only refresh clocks
+_BULK = (P.Output, P.RankWhere, P.RankProgress, P.RankMetrics, P.RankDisplay)
+_WORDS = {P.Output: "lines printed", P.RankMetrics: "metrics points"}
 
-    def __init__(self, limit: int = BACKLOG) -> None:
-        self.limit = limit
+
+def _bulk(item: object) -> type | None:
+    event = item.event if isinstance(item, Event) else None
+    return type(event) if isinstance(event, _BULK) else None
+
+
+def _size(item: object) -> int:
+    """About what ``item`` holds in memory, cheaply: its text or payload, plus a header."""
+    event = item.event
+    if isinstance(event, P.Output):
+        return 100 + len(event.text)
+    if isinstance(event, P.RankDisplay):
+        return 100 + sum(len(v) for v in event.data.values() if isinstance(v, str | bytes))
+    return 300
+
+
+class Backlog:
+    """What waits for a kernel to read it, in order, bounded: at most ``limit`` bulk
+    events (output, metrics, progress, places, displays) of at most ``max_bytes``
+    together; the oldest go first, counted by kind in :attr:`dropped` and said by
+    :meth:`said_dropped`. Ticks are not kept; every other event is.
+
+    Before, only output was bounded: a supervisor with no kernel kept a Tick every
+    0.1 s, every stack sample and every metrics point (about 145 MB a day)."""
+
+    def __init__(self, limit: int = BACKLOG, max_bytes: int = BACKLOG_BYTES) -> None:
+        self.limit, self.max_bytes = limit, max_bytes
         self.items: deque = deque()
-        self.outputs = 0  # output events held
-        self.dropped = 0  # output events dropped so far
+        self.bulk = 0  # bulk events held
+        self.bytes = 0  # their size (:func:`_size`)
+        self.dropped: Counter = Counter()  # kind -> bulk events dropped so far
 
     def __len__(self) -> int:
         return len(self.items)
 
     def extend(self, items, front: bool = False) -> None:
         items = [x for i in items for x in (i.items if isinstance(i, Batch) else (i,))]
+        items = [i for i in items if not (isinstance(i, Event) and isinstance(i.event, P.Tick))]
         if front:
             self.items.extendleft(reversed(items))
         else:
             self.items.extend(items)
-        self.outputs += sum(map(is_output, items))
-        if self.outputs > self.limit * 1.25:  # (amortized: one pass drops many)
+        for item in items:
+            if _bulk(item):
+                self.bulk += 1
+                self.bytes += _size(item)
+        if self.bulk > self.limit * 1.25 or self.bytes > self.max_bytes:  # (amortized)
             self._drop()
 
     def pop(self) -> object:
         item = self.items.popleft()
-        self.outputs -= is_output(item)
+        if _bulk(item):
+            self.bulk -= 1
+            self.bytes -= _size(item)
         return item
 
     def take(self) -> tuple:
-        items, self.items, self.outputs = tuple(self.items), deque(), 0
+        items, self.items, self.bulk, self.bytes = tuple(self.items), deque(), 0, 0
         return items
 
+    def said_dropped(self) -> str:
+        """``1,200 lines printed, 300 metrics points and 40 other events`` ("" if none)."""
+        other = sum(n for kind, n in self.dropped.items() if kind not in _WORDS)
+        parts = [f"{self.dropped[k]:,} {w}" for k, w in _WORDS.items() if self.dropped[k]]
+        parts += [f"{other:,} other events (progress, places, displays)"] if other else []
+        return " and ".join([", ".join(parts[:-1]), parts[-1]] if len(parts) > 1 else parts)
+
     def _drop(self) -> None:
-        drop = self.outputs - self.limit
+        count = max(0, self.bulk - self.limit)
+        excess = max(0, self.bytes - self.max_bytes * 3 // 4)  # (then room for a while)
         kept: deque = deque()
         for item in self.items:
-            if drop and is_output(item):
-                drop -= 1
-                self.dropped += 1
+            kind = _bulk(item)
+            if kind and (count > 0 or excess > 0):
+                size = _size(item)
+                count, excess = count - 1, excess - size
+                self.bulk, self.bytes = self.bulk - 1, self.bytes - size
+                self.dropped[kind] += 1
             else:
                 kept.append(item)
-        self.items, self.outputs = kept, self.limit
+        self.items = kept
