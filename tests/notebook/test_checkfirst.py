@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+import socket
 
 import pytest
 from test_kernel import execute
@@ -80,7 +81,35 @@ REFUSALS = {
         "%ddp attach --world-size 2 --detached ok --slurm '--partition gpu'",
         "the SLURM options must say how many nodes (--nodes N)",
     ),
+    # issue 47, item 6: these stopped the running pool, then failed
+    "attach-busy-port": (
+        "%ddp attach --world-size 2 --listen 127.0.0.1:{busy}",
+        "cannot listen there: Address already in use",
+    ),
+    "attach-not-this-host": (
+        "%ddp attach --world-size 2 --listen 192.0.2.1:0",  # (TEST-NET-1: no host's)
+        "--listen 192.0.2.1:0: cannot listen there: Cannot assign requested address",
+    ),
+    "attach-detached-busy-port": (
+        "%ddp attach --world-size 2 --detached ok --listen 127.0.0.1:{busy}",
+        "cannot listen there: Address already in use",
+    ),
+    "detached-long-name": (
+        "%ddp start --detached " + "p" * 120,
+        "socket path would be",
+    ),
+    "attach-sbatch-refuses": (
+        "%ddp attach --world-size 2 --slurm '--nodes 1 --partition nope'",
+        "sbatch refuses the job: sbatch: error: Batch job submission failed: Invalid partition",
+    ),
 }
+
+
+FAILING_SBATCH = """#!/bin/sh
+cat > /dev/null
+echo 'sbatch: error: Batch job submission failed: Invalid partition name specified' >&2
+exit 1
+"""
 
 
 @pytest.mark.parametrize("case", REFUSALS)
@@ -89,7 +118,19 @@ def test_a_refused_change_leaves_the_pool_as_it_was(kc, held, case, tmp_path):
     open_dir = tmp_path / "open"
     open_dir.mkdir(mode=0o777)
     os.chmod(open_dir, 0o777)
-    r = execute(kc, line.format(open=open_dir))
+    fake = tmp_path / "bin"  # an sbatch that refuses every job, first on the kernel's PATH
+    fake.mkdir()
+    (fake / "sbatch").write_text(FAILING_SBATCH)
+    (fake / "sbatch").chmod(0o755)
+    path = f"import os\nos.environ['PATH'] = {str(fake)!r} + os.pathsep + os.environ['PATH']"
+    assert execute(kc, path).error is None
+    busy = socket.create_server(("127.0.0.1", 0))  # a port something else listens on
+    try:
+        r = execute(kc, line.format(open=open_dir, busy=busy.getsockname()[1]))
+    finally:
+        busy.close()
+        path = f"os.environ['PATH'] = os.environ['PATH'].removeprefix({str(fake) + os.pathsep!r})"
+        assert execute(kc, path).error is None
     assert r.text.startswith("UsageError: "), r.text  # one line, no traceback
     assert said in r.text, r.text
     assert len(r.text.strip().splitlines()) == 1, r.text

@@ -33,7 +33,7 @@ def _hello(
     folder = W.folder_of(name)
     try:
         token = read_private(os.path.join(folder, "token"), "detached pool's token")
-        channel = wire_connect(os.path.join(folder, "sock"), "AF_UNIX", token, timeout=0)
+        channel = wire_connect(os.path.join(folder, W.SOCKET), "AF_UNIX", token, timeout=0)
         conn = W.Link(channel)
     except UnsafeFile as exc:
         raise E.PoolClosedError(str(exc)) from None

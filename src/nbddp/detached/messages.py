@@ -49,6 +49,7 @@ __all__ = [
     "BACKLOG_BYTES",
     "IDLE_TIMEOUT",
     "JOINED",
+    "SOCKET",
     "Backlog",
     "Batch",
     "Bye",
@@ -108,10 +109,24 @@ def pools_folder() -> str:
     return os.path.join(home, "pools")
 
 
+SOCKET = "sock"  # in a pool's folder: where its supervisor listens for kernels
+UNIX_PATH_MAX = 107  # bytes a Unix socket's path may have (sun_path, less its NUL)
+
+
 def folder_of(name: str) -> str:
+    """The folder of the detached pool ``name``; a name that could not be one (not
+    letters, digits, - and _, or its socket's path too long) is refused."""
     if not name or not name.replace("-", "").replace("_", "").isalnum():
         raise ValueError(f"a detached pool's name is letters, digits, - and _, not {name!r}")
-    return os.path.join(pools_folder(), name)
+    folder = os.path.join(pools_folder(), name)
+    length = len(os.fsencode(os.path.join(folder, SOCKET)))
+    if length > UNIX_PATH_MAX:
+        raise ValueError(
+            f"the detached pool {name}'s socket path would be {length} bytes, over the "
+            f"{UNIX_PATH_MAX} a socket path may have: use a name {length - UNIX_PATH_MAX} "
+            "characters shorter, or a shorter $NBDDP_HOME"
+        )
+    return folder
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ class Supervisor:
         self._start()
         token = secrets.token_hex(32).encode()
         write_private(os.path.join(self.folder, "token"), token)
-        address = os.path.join(self.folder, "sock")
+        address = os.path.join(self.folder, W.SOCKET)
         listener = bind_unix(address, backlog=64)
         os.chmod(address, 0o600)
         info = {

@@ -40,8 +40,12 @@ def prepare(args) -> tuple[str, int, bytes, Tls | None]:
         raise UsageError("--idle-timeout needs --detached NAME (a kernel's own pool ends with it)")
     if detached:
         detaching.check_name(detached)
-    if getattr(args, "slurm", None):
-        _slurm_script(args, "notebook-host:1")  # (what it says wrong, before anything starts)
+    _can_listen(host, int(port))
+    if getattr(args, "slurm", None):  # (what it says wrong, before anything starts)
+        try:
+            remote.check_slurm(_slurm_script(args, "notebook-host:1"))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     try:
         if detached:
             return host, int(port), remote.read_or_create_token(args.token_file), None
@@ -49,6 +53,15 @@ def prepare(args) -> tuple[str, int, bytes, Tls | None]:
     except UnsafeFile as exc:
         raise UsageError(str(exc)) from None
     return host, int(port), token, tls
+
+
+def _can_listen(host: str, port: int) -> None:
+    """Bind ``host:port`` as the pool will, and let it go: a busy port or an address that
+    is not this host's is refused before the running pool is let go."""
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as exc:
+        raise UsageError(f"--listen {host}:{port}: cannot listen there: {exc.strerror}") from None
 
 
 def attach(args, host: str, port: int, token: bytes, tls: Tls | None = None):

@@ -98,6 +98,32 @@ def _slurm_step(python: str, nodes: int, per_node: int, connect: str, token_file
     return f"srun --no-kill --kill-on-bad-exit=0 bash -c {each} - {torchrun}"
 
 
+def check_slurm(script: str) -> None:
+    """``sbatch --test-only`` the script (nothing is submitted): SLURM's own word on it, or
+    no sbatch here, raised as a ValueError before the running pool is let go."""
+    try:
+        out = subprocess.run(
+            ["sbatch", "--test-only"],
+            input=script,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=SBATCH_TIMEOUT,
+        )
+    except FileNotFoundError:
+        raise ValueError("--slurm needs SLURM's sbatch on this host: none is on PATH") from None
+    except subprocess.TimeoutExpired:
+        raise ValueError(
+            f"sbatch --test-only did not answer in {SBATCH_TIMEOUT:g} s (is slurmctld up?)"
+        ) from None
+    if out.returncode != 0:
+        said = (out.stderr.strip() or out.stdout.strip()).splitlines()
+        raise ValueError(f"sbatch refuses the job: {said[-1] if said else out.returncode}")
+
+
+SBATCH_TIMEOUT = 30.0  # s ``sbatch --test-only`` may take
+
+
 def submit_slurm(script: str) -> str:
     """``sbatch`` the script; return the job id."""
     out = subprocess.run(
