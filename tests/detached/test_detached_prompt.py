@@ -90,3 +90,22 @@ def test_a_kernel_cut_off_is_told_the_pool_runs_on_with_every_ranks_state(home):
         family.record()
         again.stop()
         assert family.alive() == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [3, 8])
+def test_an_interrupt_sent_right_after_run_stops_the_cell(home, n):  # noqa: F811
+    """Issue 47, item 7: the interrupt reached the supervisor before it had started the
+    cell, was dropped, and the cell ran to its end (15 s, 2 of 2). Now it holds for the
+    cell, which is interrupted as it starts; every rank keeps its state."""
+    with _pool(f"early{n}", n) as (pool, family):
+        pool.execute("kept = rank + 3")
+        for _ in range(3):
+            events = pool.run("import time\ntime.sleep(15)\nslept = True")
+            pool.interrupt()  # at once: the supervisor has not started the cell yet
+            end = next(e for e in events if isinstance(e, P.CellEnd))
+            assert end.interrupted == "interrupt", end
+        assert pool.execute("('slept' in globals(), kept)") == [(False, r + 3) for r in range(n)]
+        family.record()
+        pool.stop()
+        assert family.alive() == []

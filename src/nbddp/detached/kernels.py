@@ -32,7 +32,8 @@ GREETING = 64  # connections greeted at once (more wait in the listener's backlo
 
 class Kernels:
     """The kernel connected to supervisor ``sup`` (a :class:`~nbddp.detached.server.Supervisor`:
-    its ``requests``, ``pool``, ``running``, ``state()``, ``listing()``, ``ask_stop()``)."""
+    its ``requests``, ``pool``, ``running``, ``state()``, ``listing()``, ``ask_stop()``,
+    ``interrupt()``)."""
 
     def __init__(self, sup, deadline: float = SEND_DEADLINE) -> None:
         self.sup, self.deadline = sup, deadline
@@ -134,8 +135,7 @@ class Kernels:
                     outbox.close(W.Bye(), hang_up=False)  # (its Unread comes next)
                     self.leaving.append(outbox)
             elif isinstance(msg, W.Interrupt):
-                if msg.request is None or msg.request == sup.running:
-                    sup.pool.interrupt()
+                sup.interrupt(msg.request)
             elif isinstance(msg, W.DebugReply):
                 with self.lock:
                     self.prompts = max(0, self.prompts - 1)

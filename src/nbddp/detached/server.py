@@ -18,6 +18,7 @@ ranks (their connections to it close, and they exit) and by a connected kernel.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -69,6 +70,9 @@ class Supervisor:
         self.pool.hub.before_wait = self._flush
         self.running: int | None = None  # the request id of the cell that runs
         self.running_since: float | None = None
+        # cells interrupted before they started (the kernel's Ctrl-C right after run())
+        self._early: collections.deque = collections.deque(maxlen=16)
+        self._early_lock = threading.Lock()
         self.quiet_since = time.monotonic()  # the last cell's end (a cell is not idleness)
         self.stopping: str | None = None  # why the pool stops (set from any thread)
         self.stopped_cell = ""  # what the stop did to a cell that ran
@@ -283,10 +287,13 @@ class Supervisor:
             if kwargs.get(key) is not None:
                 kwargs[key] = payload.Shipment(*kwargs[key])
         kwargs["raw_values"] = kwargs.get("want_values", False)
-        self.running, self.running_since = request, time.time()
+        self.running_since = time.time()
         try:
-            events = self.pool.run(**kwargs)
-            if self.stopping is not None:  # (asked before the cell could be interrupted)
+            events = self.pool.run(**kwargs)  # (from here an interrupt holds for the cell)
+            with self._early_lock:
+                self.running = request
+                early = request in self._early
+            if self.stopping is not None or early:  # (asked before the cell could be)
                 self.pool.interrupt()
             for event in events:
                 if isinstance(event, P.CellEnd):
@@ -299,6 +306,16 @@ class Supervisor:
             self.running = self.running_since = None
             self.quiet_since = time.monotonic()
             self._flush()
+
+    def interrupt(self, request: int | None) -> None:
+        """The kernel's interrupt for its cell ``request`` (None: whatever runs): now, or
+        as that cell starts, if it waits behind another request still."""
+        with self._early_lock:
+            now = request is None or request == self.running
+            if not now:
+                self._early.append(request)
+        if now:
+            self.pool.interrupt()
 
     def _end(self, end: P.CellEnd) -> P.CellEnd:
         """The cell's end, with the supervisor's notes (and a stop's, if one came)."""
