@@ -227,3 +227,56 @@ def test_text_says_running_tqdm_bars_folded_at_nbddp_progress_pace_and_the_end_o
             rf"\(slowest: rank {n - 1}; the others up to 100\)",
             live[0],
         ), said
+
+
+@pytest.mark.parametrize("n", [3, 8])
+def test_a_line_with_a_percent_and_bars_that_is_no_tqdm_bar_folds_as_text(n):
+    """Issue 47, item 8: ``acc 12%| train | ./data/x.csv`` looked like a bar whose count
+    was ``.``: two ranks printing it crashed the sink (``could not convert string to
+    float: '.'``), and the cell's output and values were dropped."""
+    clock, out = Clock(), io.StringIO()
+    sink = TextSink(stdout=out, stderr=io.StringIO(), clock=clock)
+    for rank in range(n):
+        sink.handle(P.RankState(rank, "running"))
+    for rank in range(n):
+        sink.handle(P.Output(rank, "stdout", f"acc {10 + rank}%| train | ./data/x.csv\n"))
+    clock.t = 5.0
+    sink.close(P.CellEnd(1, tuple(range(n))))
+    said = out.getvalue().splitlines()
+    assert said == [f"[ranks 0-{n - 1}] acc {{10-{9 + n}}}%| train | ./data/x.csv"], said
+
+
+@pytest.mark.timeout(20)
+def test_long_lines_are_read_in_linear_time():
+    """Issue 47, item 9: the bar patterns were quadratic: 5.2 s for one 16 KB line of
+    digits, at every output event. 64 KB lines of digits (and of what a bar is made of)
+    would take minutes so; here they take milliseconds (the timeout is the test)."""
+    from nbddp.dashboard import fold_shape
+
+    for line in (
+        "1" * 65536,
+        "1" * 65536 + "%|",
+        "a 1%|" + "|" * 65536 + " 1/2",
+        "1" * 65536 + "it [1it/s]",
+        "[" * 65536 + "1it [1it/s]",
+    ):
+        for _ in range(20):
+            assert not fold_shape.is_progress(line)
+            fold_shape.shape(line)
+            assert fold_shape.bar_count(line) is None
+            assert fold_shape.bar_percent(line) is None
+
+
+def test_tqdm_layouts_are_read_as_before():
+    from nbddp.dashboard import fold_shape
+
+    assert fold_shape.bar_count("eval:  45%|####5     | 45/100 [00:01<00:02, 30.1it/s]") == "45/100"
+    assert fold_shape.bar_percent("x: 50%|#####     | 1.5k/3.0k [00:01<00:01, 1.0kit/s]") == 50
+    assert fold_shape.bar_count("45it [00:01, 30.12it/s]") == "45it"
+    assert fold_shape.bar_count("train 1.5kit [00:03,  2.1s/it]") == "1.5kit"
+    assert fold_shape.is_progress("100%|##########| 10/10 [00:00<00:00, 99.1it/s]")
+    assert not fold_shape.is_progress("it [is not a bar]")
+    assert fold_shape.shape("eval:  45%|####5     | 45/100 [00:01<00:02]") == (
+        "\x01bar eval:",
+        None,
+    )
