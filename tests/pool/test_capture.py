@@ -386,6 +386,28 @@ def test_two_kernels_versions_never_meet_and_say_whose_they_are():
     assert a.names() == {"lr", "m"}
 
 
+def test_what_the_notebook_deleted_or_rebound_is_let_go():
+    """Issue 47, item 10: a list, dict or str ever shipped stayed alive, ``del`` or not."""
+    import sys
+
+    shipped = Shipped()
+    big, text, kept = [0] * 1000, "x" * 10_000 + "!", {"a": 1}
+    ns = {"big": big, "text": text, "kept": kept}
+    before = sys.getrefcount(big), sys.getrefcount(text)
+    for gen in (1, 2):
+        for name, obj in ns.items():
+            shipped.sent(gen, name, obj)
+    versions = shipped.versions(ns)
+    assert (sys.getrefcount(big), sys.getrefcount(text)) > before  # held by the records
+    del ns["big"]
+    ns["text"] = "rebound"
+    shipped.forget_unbound(ns)
+    assert (sys.getrefcount(big), sys.getrefcount(text)) == (before[0] - 1, before[1] - 1)
+    assert shipped.unchanged(2, "kept", kept)  # still bound: its record stays
+    assert shipped.versions({"kept": kept}) == {"kept": versions["kept"]}
+    assert shipped.names() == {"big", "text", "kept"}  # what this kernel ever shipped
+
+
 def test_a_collected_object_is_not_mistaken_for_a_new_one():
     import gc
 

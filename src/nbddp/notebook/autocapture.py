@@ -100,6 +100,7 @@ class AutoCapture:
         versions), and the imports to run first (the notebook's not yet replayed to that
         rank's namespace, then ``imports``: one text for all, or each rank's); said in
         one line."""
+        self.shipped.forget_unbound(self.shell.user_ns)  # (del'd or rebound: not held)
         objects, sizes, notes, auto = self._select(pool, cell, ranks, explicit)
         replays, new = self._replays(pool, ranks)
         said = [f"{n} ({capture.human(sizes[n])})" for n in objects]

@@ -295,6 +295,7 @@ def import_statements(code: str) -> list[str]:
 
 
 _GONE = object()  # what a record of a collected object answers
+_UNBOUND = object()  # what a namespace without the name answers (never a record's)
 
 
 class Shipped:
@@ -312,6 +313,7 @@ class Shipped:
         self.generation = -1  # pragma: no mutate (any number no pool has)
         self._sent: dict[str, object] = {}
         self._versions: dict[str, tuple[object, int]] = {}  # name -> (ref, version)
+        self._names: set[str] = set()  # every name it ever gave a version
         # this notebook's versions: its random tag, then a count (P.kernel_of): a rank
         # that holds another kernel's object (a detached pool) knows it is not ours
         self.tag = secrets.randbits(40)
@@ -340,7 +342,19 @@ class Shipped:
 
     def names(self) -> frozenset[str]:
         """The names this notebook ever shipped."""
-        return frozenset(self._versions)
+        return frozenset(self._names)
+
+    def forget_unbound(self, namespace: dict) -> None:
+        """Let go of what ``namespace`` (the notebook's) no longer binds to its name,
+        deleted or rebound: such a record can only say "changed" again, and for a list,
+        dict or str (held as it is: no weak reference) it kept the object alive."""
+        bound = namespace.get
+        for name in [n for n, ref in self._sent.items() if ref() is not bound(n, _UNBOUND)]:
+            del self._sent[name]
+        for name in [
+            n for n, (ref, _) in self._versions.items() if ref() is not bound(n, _UNBOUND)
+        ]:
+            del self._versions[name]
 
     def versions(self, objects: dict[str, object]) -> dict[str, int]:
         """Each object's version: the same while the notebook binds the same object."""
@@ -350,6 +364,7 @@ class Shipped:
             if ref is None or ref() is not obj:
                 version = next(self._count)
                 self._versions[name] = (self._ref(obj), version)
+                self._names.add(name)
             out[name] = version
         return out
 
