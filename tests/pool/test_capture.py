@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from nbddp.pool.capture import (
-    Shipped,
     check_imports,
     collect,
     human,
@@ -28,6 +27,7 @@ from nbddp.pool.capture import (
     split_names,
 )
 from nbddp.pool.errors import CaptureError
+from nbddp.pool.shipped import Shipped
 from nbddp.wire import payload
 
 

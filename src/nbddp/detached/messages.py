@@ -249,10 +249,6 @@ class DebugReply:
     line: str | None
 
 
-def is_output(item: object) -> bool:
-    return isinstance(item, Event) and isinstance(item.event, P.Output)
-
-
 # what a backlog bounds (the rest, a cell's end, replies, exits, states, prompts, are a
 # few per cell and always kept); Ticks are not kept at all: they only refresh clocks
 _BULK = (P.Output, P.RankWhere, P.RankProgress, P.RankMetrics, P.RankDisplay)

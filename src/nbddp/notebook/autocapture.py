@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ..pool import capture
 from ..pool.errors import CaptureError, NbddpError
+from ..pool.shipped import Shipped
 from ..wire.stacks import rank_set
 from .session import say
 
@@ -37,7 +38,7 @@ class AutoCapture:
         # the notebook's import statements, and those of %%ddp cells that ran on every
         # rank, in order: replayed to ranks with a fresh namespace
         self.import_log: list[str] = []
-        self.shipped = capture.Shipped()
+        self.shipped = Shipped()
         self._told_theirs: set[str] = set()  # names said kept by the ranks (_keep_theirs)
         # rank -> (its namespace's number, how many of import_log that namespace ran)
         self._ran: dict[int, tuple[int | None, int]] = {}

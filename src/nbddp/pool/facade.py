@@ -187,7 +187,9 @@ class Pool(PoolLife, PoolRepair, PoolCalls):
     def shipped_on(self, ranks: list[int] | None = None) -> frozenset[str]:
         """Names every one of ``ranks`` holds still bound to what a notebook shipped
         (this kernel, or one before it on a detached pool), as last reported."""
-        return self.roster.shipped_on(ranks)
+        chosen = [self.roster[r] for r in (ranks if ranks is not None else self.roster.ranks)]
+        each = [frozenset(h.name for h in r.held if h.shipped) for r in chosen]
+        return frozenset.intersection(*each) if each else frozenset()
 
     @property
     def shm_folder(self) -> str | None:

@@ -126,12 +126,6 @@ class Roster:
         chosen = [self.ranks[r] for r in (ranks if ranks is not None else self.ranks)]
         return frozenset.intersection(*(r.names for r in chosen)) if chosen else frozenset()
 
-    def shipped_on(self, ranks: list[int] | None = None) -> frozenset[str]:
-        """Names every one of ``ranks`` holds still bound to what a notebook sent it."""
-        chosen = [self.ranks[r] for r in (ranks if ranks is not None else self.ranks)]
-        each = [frozenset(h.name for h in r.held if h.shipped) for r in chosen]
-        return frozenset.intersection(*each) if each else frozenset()
-
     def hosts(self) -> dict[int, str]:
         hosts = {r.rank: r.host for r in self.ranks.values()}
         return hosts if len(set(hosts.values())) > 1 else {}

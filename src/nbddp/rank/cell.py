@@ -108,7 +108,7 @@ class CellRunner:
         self.failed_oom = False  # ... and it ran out of memory (its frames were let go)
         self.namespace: dict = {}
         self.places_before: tuple = ()  # each group's count as the running cell started
-        self.thread_ops_before = 0  # the operations other threads had issued by then
+        self.thread_ops_before = 0  # (and other threads' operations then)
         self.signal_main: Callable[[], None] = _sigint_self  # raises KeyboardInterrupt there
 
     def make_namespace(self, ctx: DDPContext) -> None:
@@ -174,8 +174,8 @@ class CellRunner:
         rich.set_displaying(msg.display)
         metrics.new_cell()
         self.cell, self.running = msg.cell, True
-        self.places_before = self.group.positions()  # (did the cell issue a collective?)
-        self.thread_ops_before = thread_ops()  # (or a thread, while it ran)
+        # (did the cell issue a collective, or a thread while it ran?)
+        self.places_before, self.thread_ops_before = self.group.positions(), thread_ops()
         try:
             out = self._execute(msg)
         finally:
@@ -206,8 +206,7 @@ class CellRunner:
             needs_group=lost,
             profile=out.profile,
             places=places,
-            # (cells without: re-run on a new rank)
-            issued=lost or places != self.places_before or thread_ops() != self.thread_ops_before,
+            issued=lost or (places, thread_ops()) != (self.places_before, self.thread_ops_before),
         )
         self.send(dataclasses.replace(done, **self.changed_names()))
 
@@ -302,13 +301,10 @@ class CellRunner:
         """Bind shipped objects; automatic capture never overwrites the rank's own.
 
         An object with a version is the notebook's: a name still bound to it stays
-        the notebook's, and a newer version (the notebook bound the name to another
-        object) replaces it; the same version is kept as the rank holds it (changed
-        in place, maybe: a model it trained). What another notebook sent (a kernel
-        that has since restarted, on a detached pool) is the rank's own from the
-        first cell of a new one that would ship it: kept, as a name the rank bound
-        itself (``%ddp push``, ``--need``, overwrite). An object without a version
-        (``%ddp copy``, a function's arguments) is the rank's own from now on.
+        the notebook's, and a newer version of the same notebook replaces it; the same
+        version is kept as the rank holds it (a model it trained in place). What
+        another notebook (kernel) sent is the rank's own once a new one would ship it.
+        An object without a version (``%ddp copy``) is the rank's own from now on.
         """
         for name, obj in objects.items():
             version = versions.get(name)
