@@ -361,7 +361,8 @@ def _stop_note(facts: Facts, action) -> str:
     if action.reason == "abort":
         return state_lost(
             f"{S.rank_set(stuck)} still ran {facts.grace:g} s after the process group was "
-            "aborted (blocked in a collective the abort did not reach) and "
+            "aborted (blocked where the abort did not reach: a collective, or a DDP step's "
+            "in torch's code) and "
             f"{_were(stuck)} stopped with the rest of the pool"
         )
     return state_lost(

@@ -22,8 +22,8 @@ The cell::
            (a rank seen there once may be finishing a collective the failed rank
            took part in: on a busy machine it is scheduled late, not blocked)
         -> ranks still waiting in a collective grace s after the abort did not come
-           free (a group nbddp could not reach), nor ranks that stayed grace/2 s at one
-           place in torch's own code (a DDP backward: its all_reduce runs in C++, with no
+           free (a group nbddp could not reach), nor ranks that stayed all that time at
+           one place in torch's own code (a DDP backward: its all_reduce runs in C++, with no
            torch.distributed frame), nor ranks not heard from since the abort by
            grace + SILENT s (C code that holds the GIL): stop the pool
     interrupt (stop button, Ctrl-C) or --timeout, at t
@@ -329,8 +329,9 @@ class CellSupervisor:
         w = self.where.get(rank)
         if w is None or w.taken < after:
             return now >= after + self.grace + SILENT  # not one answer since: C holds the GIL
-        stayed = max(SETTLE, self.grace / 2)  # a freed rank leaves torch's code at once
-        return in_torch(w.frames) and w.taken - max(w.since, after) >= stayed
+        # the whole grace period at one place in torch's code (a freed rank leaves it at
+        # once; on a busy machine a rank may not run for a while: never less than that)
+        return in_torch(w.frames) and w.taken - max(w.since, after) >= self.grace
 
     def _blocked(self, rank: int, after: float) -> bool:
         """Seen since ``after``, waiting in the same collective for SETTLE s or more."""
