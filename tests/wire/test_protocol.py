@@ -59,3 +59,38 @@ def test_slurm_of_keeps_only_plain_values() -> None:
         {"MASTER_ADDR": ""},
     ):
         assert P.slurm_of({**ok, **bad}) is None, bad
+
+
+def test_a_slurm_origin_is_checked_on_receipt_and_quoted_in_the_recipe() -> None:
+    """Issue 47, item 11: the fields were bounded by the sender only; one holding the token
+    could put a shell command into the recipe the notebook tells the user to run."""
+    from types import SimpleNamespace
+
+    from nbddp.pool.hosts_lost import recipe
+    from nbddp.pool.roster import Roster
+    from nbddp.wire.slurm import checked
+
+    good = P.Slurm("4711", 2, "node-1.cluster")
+    assert checked(good) == good
+    hostile = [
+        P.Slurm("1; rm -rf ~", 2, "node-1"),
+        P.Slurm("4711", 2, "node-1 $(reboot)"),
+        P.Slurm("4711", -1, "node-1"),
+        P.Slurm("4711", "2; id", "node-1"),  # type: ignore[arg-type]
+        ("4711", 2, "node-1"),
+    ]
+    for bad in hostile:
+        assert checked(bad) is None, bad
+    roster = Roster(2, attached=True)
+    for rank, slurm in ((0, hostile[0]), (1, good)):
+        roster.add(rank, 100 + rank)
+        hello = P.Hello(rank, 2, 0, 2, 1, "h", False, slurm=slurm)
+        roster._hello(roster[rank], object(), hello, SimpleNamespace(ranks=set()))  # (relayed)
+    assert roster[0].slurm is None
+    assert roster[1].slurm == good
+    said = recipe(SimpleNamespace(roster=roster), [1])
+    assert "scontrol write batch_script 4711 nbddp.sh" in said, said
+    assert "NBDDP_MASTER_ADDR=node-1.cluster nbddp.sh" in said, said
+    assert recipe(SimpleNamespace(roster=roster), [0]) == (
+        "start the same launch command on a replacement host"
+    )

@@ -21,6 +21,8 @@ again, so the pool is stopped, and says why (:func:`why_not`).
 
 from __future__ import annotations
 
+import shlex
+
 from ..wire import protocol as P
 from ..wire import stacks as S
 from .errors import HostsMissing, PoolStartError
@@ -171,9 +173,11 @@ def recipe(pool, ranks) -> str:
     origins = [getattr(held.get(n), "slurm", None) for n in ranks]
     if not origins or any(o is None for o in origins):
         return "start the same launch command on a replacement host"
+    q = shlex.quote  # (checked on receipt too: roster; quoted all the same)
     steps = [
-        f"`scontrol write batch_script {o.job_id} nbddp.sh` then `sbatch --nodes 1 "
-        f"--export=ALL,NBDDP_NODE_RANK={o.node_rank},NBDDP_MASTER_ADDR={o.master_addr} nbddp.sh`"
+        f"`scontrol write batch_script {q(o.job_id)} nbddp.sh` then `sbatch --nodes 1 "
+        + q(f"--export=ALL,NBDDP_NODE_RANK={o.node_rank},NBDDP_MASTER_ADDR={o.master_addr}")
+        + " nbddp.sh`"
         for o in sorted(set(origins), key=lambda o: o.node_rank)
     ]
     return "resubmit the SLURM job for the lost node: " + " and ".join(steps)

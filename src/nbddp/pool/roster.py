@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..wire import protocol as P
+from ..wire.slurm import checked
 from .errors import PoolStartError, describe_exit
 from .hub import Gone, Hub, Link, Msg, RelayLink, Stream, Text
 
@@ -277,7 +278,7 @@ class Roster:
             return
         r.link.conn, r.link.relay, r.pid, r.host = conn, relay, hello.pid, hello.host
         r.renewable = hello.held
-        r.slurm = hello.slurm
+        r.slurm = checked(hello.slurm)  # (shown in a command: never as it arrived)
         if relay is None:
             self.hub.watch(conn.fileno(), (r.rank, None))
         else:

@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["Slurm", "slurm_of"]
+__all__ = ["Slurm", "checked", "slurm_of"]
 
 
 @dataclass(frozen=True)
@@ -37,3 +37,16 @@ def slurm_of(env: Mapping[str, str]) -> Slurm | None:
     if not _ADDR.fullmatch(addr):
         return None
     return Slurm(job, int(node), addr)
+
+
+def checked(slurm: object) -> Slurm | None:
+    """``slurm`` as it arrived in a Hello, checked as :func:`slurm_of` built it (a sender
+    holding the token could send anything: it ends up in a command shown to the user)."""
+    if not isinstance(slurm, Slurm) or not isinstance(slurm.node_rank, int):
+        return None
+    env = {
+        "SLURM_JOB_ID": str(slurm.job_id),
+        "GROUP_RANK": str(slurm.node_rank),
+        "MASTER_ADDR": str(slurm.master_addr),
+    }
+    return slurm_of(env) if slurm_of(env) == slurm else None
