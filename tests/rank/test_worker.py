@@ -79,3 +79,24 @@ def test_a_rank_waits_for_the_stores_address_with_a_deadline_and_keeps_other_mes
     monkeypatch.setattr(G, "JOIN_TIMEOUT", 0.2)
     with pytest.raises(TimeoutError, match=r"rank 1 waited 0\.2 s for rank 0's store address"):
         keeper._store_port()
+
+
+def test_re_form_prefixes_are_keyed_by_the_pools_token():
+    """Issue 47, item 12: the store of a local pool takes any local connection, and re-form
+    prefixes were ``nbddp-reform-N``: another user of the host could write there first
+    and make the next re-form fail. The prefix now carries an HMAC of the pool's token."""
+    import queue
+
+    from nbddp.rank.group import GroupKeeper
+
+    def prefix(token: bytes, generation: int) -> str:
+        keeper = GroupKeeper(0, 2, lambda _msg: None, queue.Queue())
+        keeper.salt = token
+        return keeper._prefix(generation)
+
+    a = prefix(b"token-a", 3)
+    assert a.startswith("nbddp-reform-3-")
+    assert len(a) == len("nbddp-reform-3-") + 32
+    assert a == prefix(b"token-a", 3)  # every rank of the pool meets there
+    assert a != prefix(b"token-b", 3)  # not guessable without the token
+    assert a != prefix(b"token-a", 4)

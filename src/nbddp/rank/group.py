@@ -12,6 +12,7 @@ thread (:meth:`GroupKeeper.free_blocked`).
 from __future__ import annotations
 
 import contextlib
+import hmac
 import os
 import queue
 import socket
@@ -122,6 +123,7 @@ class GroupKeeper:
         self, rank: int, world_size: int, send: Callable[[object], None], inbox: queue.Queue
     ) -> None:
         self.rank, self.world_size = rank, world_size
+        self.salt = b""  # the pool's token: re-form prefixes no one without it can guess
         self.needs_port = "MASTER_PORT" not in os.environ
         self._send, self._inbox = send, inbox
         self.sockets: dict[int, int] = {}  # the default group's sockets: fd -> inode
@@ -268,9 +270,9 @@ class GroupKeeper:
             if self.agent_store is None:
                 port = _store_port()
                 self.agent_store = dist.TCPStore(addr, port, self.world_size, False)
-            return dist.PrefixStore(f"nbddp-reform-{generation}", self.agent_store)
+            return dist.PrefixStore(self._prefix(generation), self.agent_store)
         if generation is not None and self.base_store is not None:
-            return dist.PrefixStore(f"nbddp-reform-{generation}", self.base_store)
+            return dist.PrefixStore(self._prefix(generation), self.base_store)
         if not (self.needs_port or fresh):
             return None  # torchrun's MASTER_PORT: the env:// store
         if self.rank == 0:
@@ -280,6 +282,13 @@ class GroupKeeper:
             store = dist.TCPStore(addr, self._store_port(), self.world_size, False)
         os.environ["MASTER_PORT"] = str(store.port)
         return store
+
+    def _prefix(self, generation: int) -> str:
+        """Where re-form ``generation`` meets in the store. The store takes any local
+        connection: a predictable prefix would let another user of the host write keys
+        there first and make the re-form fail; this one is keyed by the pool's token."""
+        tag = hmac.new(self.salt, f"reform-{generation}".encode(), "sha256").hexdigest()[:32]
+        return f"nbddp-reform-{generation}-{tag}"
 
     def _store_port(self) -> int:
         """The port of rank 0's store, which the pool sends (``JoinGroup``), waited for

@@ -76,6 +76,7 @@ class Worker:
         self.control = Control(control, self._exit)
         self.send = self.control.send
         self.group = GroupKeeper(self.rank, self.world_size, self.send, self.control.inbox)
+        self.group.salt = token
         self.cells = CellRunner(self.rank, self.send, self.group, relayed)
         self.debug: debugger.Remote | None = None
         # the user's own, kept for a resize and for %ddp start --threads (ddp.set_threads)
