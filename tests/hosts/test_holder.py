@@ -20,7 +20,7 @@ import time
 import psutil
 import pytest
 
-from helpers import free_port, wait_gone
+from helpers import free_port, start, torchrun_node_cmd, wait_gone
 from nbddp.hosts import holder
 from tiers import sizes
 
@@ -157,17 +157,9 @@ def test_a_torchrun_node_and_its_notebook_killed_leave_no_process(tmp_path, n):
         start_new_session=True,
     )
     address = notebook.stdout.readline().strip()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n)]
-    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    cmd += ["-m", "nbddp.worker", "--connect", address, "--token-file", str(token_file)]
-    with open(tmp_path / "node.log", "wb") as log:
-        node = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-        )
+    cmd = torchrun_node_cmd(0, free_port(), address, token_file, nodes=1, per_node=n)
+    with open(tmp_path / "node.log", "wb") as log:  # (a session of its own, as torchrun's)
+        node = start(cmd, log, env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
         assert notebook.stdout.readline().strip() == str([1] * n)
         before = _processes_of(address)
