@@ -58,6 +58,36 @@ def test_the_token_file_pins_the_certificate_and_attach_without_tls_unpins_it(tm
     assert read_token_file(str(path)).pin == ""
 
 
+def test_a_later_attach_leaves_an_earlier_pools_pin_for_its_hosts_that_come_back(tmp_path):
+    """Issue 47, item 12: one token file, one pin. A later attach (with --tls or without)
+    rewrote it, and a host of the earlier --tls pool that came back (a lost host's
+    replacement) read the later pool's pin and was refused. Each pool's pin is kept by its
+    port now, and a rank reads the pin of the pool it connects to."""
+    from nbddp.rank.worker import _read_token
+    from nbddp.wire.tls import pin_listener
+
+    path = str(tmp_path / "token")
+    a, pin_a = make_server_tls()
+    c, pin_c = make_server_tls()
+    token = remote.read_or_create_token(path, pin_a)  # pool A, --tls, on port 4001
+    pin_listener(path, a, "0.0.0.0:4001")
+    remote.read_or_create_token(path, "")  # pool B, no TLS, on 4002
+    pin_listener(path, None, "127.0.0.1:4002")
+    remote.read_or_create_token(path, pin_c)  # pool C, --tls, on 4003
+    pin_listener(path, c, "127.0.0.1:4003")
+    held = read_token_file(path)
+    assert held.token == token
+    assert (held.pin_for(4001), held.pin_for(4002), held.pin_for(4003)) == (pin_a, "", pin_c)
+    assert held.pin_for(None) == held.pin_for(4999) == pin_c  # else: the last pool's
+    assert _read_token(path, "node-a:4001")[1].pin == pin_a
+    assert _read_token(path, "node-a:4002")[1] is None
+    assert _read_token(path, "node-a:4003")[1].pin == pin_c
+    for port in range(5000, 5040):  # bounded: the latest pools' pins
+        pin_listener(path, None, f"127.0.0.1:{port}")
+    assert len(read_token_file(path).pins) == 16
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+
+
 @pytest.fixture
 def lone_tls(tls_token, tmp_path):
     """A pool of one rank, started by hand, attached over TLS."""
@@ -207,7 +237,9 @@ def test_attach_tls_through_the_magic(tmp_path, capsys):
         held = read_token_file(str(token_file))
         assert held.token == token  # the same token, now with the pin
         assert len(held.pin) == 64
-        assert token_file.read_text() == f"{token.decode()}\ntls-sha256 {held.pin}\n"
+        assert token_file.read_text() == (
+            f"{token.decode()}\ntls-sha256 {held.pin}\ntls-sha256 {held.pin} {port}\n"
+        )  # the last pool's pin, and this pool's own by its port
         assert shell.run_cell("%%ddp --text\nprint('secret', rank)").success
         assert "[rank 0] secret 0" in capsys.readouterr().out
         shell.run_cell("%ddp stop")

@@ -42,7 +42,7 @@ from ..wire import payload
 from ..wire import protocol as P
 from ..wire.listener import bind_unix
 from ..wire.private import write_private
-from ..wire.tls import server_credentials
+from ..wire.tls import pin_listener, server_credentials
 from . import messages as W
 from .kernels import Kernels
 from .messages import IDLE_TIMEOUT
@@ -62,6 +62,7 @@ class Supervisor:
     def __init__(self, folder: str, options: dict) -> None:
         self.folder, self.name = folder, os.path.basename(folder)
         self.pool = Pool(**self._pool_options(options))
+        self.token_file = (options.get("attach") or {}).get("token_file")  # (attached pools)
         self.idle_timeout = float(options.get("idle_timeout", IDLE_TIMEOUT))
         self.kernels = Kernels(self, float(options.get("send_deadline") or SEND_DEADLINE))
         self.started_at = time.time()
@@ -103,6 +104,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, _given_up)
         if self.pool.attached:
             address = self.pool.listen()
+            pin_listener(self.token_file, self.pool.tls, address)
             write_private(os.path.join(self.folder, W.ADDRESS), address.encode())
         self.pool.start()
 

@@ -17,7 +17,7 @@ from ..detached import messages as W
 from ..pool.errors import NbddpError, PoolStartError
 from ..pool.facade import Pool
 from ..wire.private import UnsafeFile, workspace_folder
-from ..wire.tls import Tls, server_credentials
+from ..wire.tls import Tls, pin_listener, server_credentials
 from . import detaching, remote
 from .session import say
 
@@ -176,7 +176,9 @@ def workspace(path: str | None, make: bool = False) -> str | None:
 
 def _call_ranks(args, pool: Pool, host: str) -> None:
     """Listen, then submit the SLURM job or say the torchrun command that joins."""
-    _call(args, pool.listen(), host)
+    address = pool.listen()
+    pin_listener(args.token_file, pool.tls, address)
+    _call(args, address, host)
 
 
 def _call(args, address: str, host: str) -> None:

@@ -246,8 +246,9 @@ class Worker:
 # ---------------------------------------------------------------- entry point
 
 
-def _read_token(path: str | None) -> tuple[bytes, Tls | None]:
-    """The token, and TLS pinned to the notebook's certificate when the file names one."""
+def _read_token(path: str | None, address: str = "") -> tuple[bytes, Tls | None]:
+    """The token, and TLS pinned to the notebook's certificate when the file names one
+    (the pin of the pool listening on ``address``'s port, if the file has it)."""
     if path:
         try:
             held = read_token_file(path)
@@ -258,7 +259,9 @@ def _read_token(path: str | None) -> tuple[bytes, Tls | None]:
             raise SystemExit(msg) from None
         if not held.token:
             raise SystemExit(f"nbddp.worker: the token file {path} is empty")
-        return held.token, Tls(pin=held.pin) if held.pin else None
+        port = address.rsplit(":", 1)[-1]
+        pin = held.pin_for(int(port) if port.isdigit() else None)
+        return held.token, Tls(pin=pin) if pin else None
     token = os.environ.pop("NBDDP_TOKEN", "")
     if not token:
         raise SystemExit("nbddp.worker: no token: pass --token-file or set NBDDP_TOKEN")
@@ -294,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     sys.argv = [sys.argv[0]]  # a cell calling a script's main() parses no worker options
     _extend_sys_path()
-    token, tls = args.token, args.tls = _read_token(args.token_file)
+    token, tls = args.token, args.tls = _read_token(args.token_file, args.connect)
     address = args.connect
     where = f"the notebook at {args.connect}"
     tcp = parse_address(address)[1] == "AF_INET"

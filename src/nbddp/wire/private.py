@@ -172,29 +172,43 @@ def open_private(path: str, what: str = "file"):
 
 
 class TokenFile:
-    """What a token file holds: the token, and the pinned certificate of a --tls pool."""
+    """What a token file holds: the token, the pinned certificate of the last --tls pool
+    attached with it (``pin``), and each pool's own by its port (``pins``: "" for a pool
+    without TLS), so that a host of an earlier pool that comes back still reaches it."""
 
-    def __init__(self, token: bytes, pin: str = "") -> None:
-        self.token, self.pin = token, pin
+    def __init__(self, token: bytes, pin: str = "", pins: dict[int, str] | None = None) -> None:
+        self.token, self.pin, self.pins = token, pin, dict(pins or {})
+
+    def pin_for(self, port: int | None) -> str:
+        """The pin for the pool that listens on ``port`` ("": no TLS)."""
+        return self.pins.get(port, self.pin) if port is not None else self.pin
+
+
+PINS_KEPT = 16  # pools' own pins a token file keeps (the latest)
 
 
 def read_token_file(path: str) -> TokenFile:
     """The token file at ``path``: refused in one line unless only this user can read it."""
     lines = read_private(os.path.expanduser(path), "token file").decode(errors="replace")
     token, *rest = lines.splitlines() or [""]
-    pin = ""
+    held = TokenFile(token.strip().encode())
     for line in rest:
-        key, _, value = line.partition(" ")
-        if key == _PIN:
-            pin = value.strip()
-    return TokenFile(token.strip().encode(), pin)
+        key, value, port, *_ = (*line.split(), "", "", "")
+        if key != _PIN:
+            continue
+        if not port:
+            held.pin = value
+        elif port.isdigit() and int(port) < 65536:
+            held.pins[int(port)] = "" if value == "-" else value
+    return held
 
 
-def write_token_file(path: str, pin: str | None = None) -> TokenFile:
+def write_token_file(path: str, pin: str | None = None, port: int | None = None) -> TokenFile:
     """Read the token file at ``path``, or make one with a new random token.
 
     ``pin``: write this certificate fingerprint into it ("" removes the pin; None leaves
-    the file as it is). The folder is made 0700 if missing.
+    the file as it is); with ``port``, as the pin of the pool listening there ("": that
+    pool has no TLS), beside the others. The folder is made 0700 if missing.
     """
     path = os.path.expanduser(path)
     make_folder(os.path.dirname(path) or ".")
@@ -204,11 +218,18 @@ def write_token_file(path: str, pin: str | None = None) -> TokenFile:
         current = TokenFile(b"")
     if not current.token:
         current = TokenFile(secrets.token_hex(32).encode(), "")
-    elif pin is None or pin == current.pin:
+    elif pin is None or (current.pin if port is None else current.pins.get(port)) == pin:
         return current
-    current.pin = current.pin if pin is None else pin
-    body = current.token + b"\n" + (f"{_PIN} {current.pin}\n".encode() if current.pin else b"")
-    write_private(path, body)
+    if pin is not None and port is None:
+        current.pin = pin
+    elif pin is not None:
+        current.pins.pop(port, None)
+        current.pins[port] = pin  # (the latest last)
+    kept = list(current.pins.items())[-PINS_KEPT:]
+    current.pins = dict(kept)
+    lines = [current.token.decode()] + ([f"{_PIN} {current.pin}"] if current.pin else [])
+    lines += [f"{_PIN} {value or '-'} {number}" for number, value in kept]
+    write_private(path, "\n".join(lines).encode() + b"\n")
     return current
 
 

@@ -15,7 +15,7 @@ import hashlib
 import os
 import ssl
 
-__all__ = ["Tls", "make_server_tls", "pinned_client_tls", "server_credentials"]
+__all__ = ["Tls", "make_server_tls", "pin_listener", "pinned_client_tls", "server_credentials"]
 
 
 class Tls:
@@ -24,6 +24,7 @@ class Tls:
 
     def __init__(self, *, cert: bytes = b"", key: bytes = b"", pin: str = "") -> None:
         self.pin = pin.lower()
+        self.fingerprint = ""  # a server's: its certificate's SHA-256 (what clients pin)
         self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if cert else ssl.PROTOCOL_TLS_CLIENT)
         self.context.minimum_version = ssl.TLSVersion.TLSv1_2
         if cert:
@@ -88,7 +89,18 @@ def make_server_tls() -> tuple[Tls, str]:
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
-    return Tls(cert=cert_pem, key=key_pem), hashlib.sha256(der).hexdigest()
+    server, pin = Tls(cert=cert_pem, key=key_pem), hashlib.sha256(der).hexdigest()
+    server.fingerprint = pin
+    return server, pin
+
+
+def pin_listener(token_file: str, tls: Tls | None, address: str) -> None:
+    """The listener at ``address`` is bound: its pin (none without TLS) goes into the token
+    file under its port too, where a host of this pool that comes back after a later
+    attach rewrote the file's pin still finds it (``TokenFile.pin_for``)."""
+    from .private import write_token_file
+
+    write_token_file(token_file, tls.fingerprint if tls else "", int(address.rsplit(":", 1)[1]))
 
 
 def pinned_client_tls(pin: str) -> Tls | None:
