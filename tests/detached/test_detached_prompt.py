@@ -105,6 +105,8 @@ def test_an_interrupt_sent_right_after_run_stops_the_cell(home, n):  # noqa: F81
             pool.interrupt()  # at once: the supervisor has not started the cell yet
             end = next(e for e in events if isinstance(e, P.CellEnd))
             assert end.interrupted == "interrupt", end
+            assert end.kept, (end.notes, end.exits, end.stacks)
+            assert not any("lost" in note for note in end.notes), end.notes
         assert pool.execute("('slept' in globals(), kept)") == [(False, r + 3) for r in range(n)]
         family.record()
         pool.stop()

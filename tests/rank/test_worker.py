@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nbddp.rank.worker import adopt, error_info, parse_address, run_code
+from nbddp.wire import protocol as P
 
 
 def test_run_code_returns_the_last_expression():
@@ -100,3 +101,20 @@ def test_re_form_prefixes_are_keyed_by_the_pools_token():
     assert a == prefix(b"token-a", 3)  # every rank of the pool meets there
     assert a != prefix(b"token-b", 3)  # not guessable without the token
     assert a != prefix(b"token-a", 4)
+
+
+def test_a_new_process_takes_only_the_reform_sent_to_it_as_new():
+    """Issue 47, item 12: a relay could hand a holder's new process a Reform meant for the
+    dead process it replaces (sent before the notebook knew): the new process joined a
+    re-form no one else was in. Only a Reform the roster sends it in answer to its hello
+    (``new``) takes it in."""
+    import queue
+    from types import SimpleNamespace
+
+    from nbddp.rank.worker import Worker
+
+    inbox = queue.Queue()
+    for msg in (P.Reform(3), P.Run(1, "x"), P.Reform(5, new=True), P.Reform(6, new=True)):
+        inbox.put(msg)
+    fake = SimpleNamespace(control=SimpleNamespace(inbox=inbox))
+    assert Worker._await_reform(fake) == 5

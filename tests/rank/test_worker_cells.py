@@ -22,7 +22,7 @@ def test_an_interrupt_for_the_running_cell_signals_the_main_thread_and_sends_not
     """Where the rank was is the StackQuery's answer, sent just before (test_cell)."""
     events: list = []
     runner = CellRunner(0, events.append, group=None)
-    runner.signal_main = lambda: events.append("SIGINT")
+    runner.sigint.send = lambda wanted: events.append("SIGINT")
     runner.interrupts.start(7)
     runner.on_interrupt(P.Interrupt(7))
     assert events == ["SIGINT"]
@@ -31,7 +31,7 @@ def test_an_interrupt_for_the_running_cell_signals_the_main_thread_and_sends_not
 def test_an_interrupt_for_a_cell_not_running_here_sends_nothing():
     events: list = []
     runner = CellRunner(0, events.append, group=None)
-    runner.signal_main = lambda: events.append("SIGINT")
+    runner.sigint.send = lambda wanted: events.append("SIGINT")
     runner.on_interrupt(P.Interrupt(3))  # not started yet: raised as it starts
     assert events == []
 
@@ -99,3 +99,28 @@ def test_a_keyboard_interrupt_from_a_values_repr_still_ends_the_cell(pool):
     _, _, end = collect(pool.run(code))
     assert not end.exits, end.exits  # no rank died
     assert pool.execute("kept") == [5, 5]
+
+
+def test_a_sigint_the_main_thread_did_not_handle_is_sent_again_until_it_is(monkeypatch):
+    """A SIGINT that lands just before a blocking C call is not seen until the call ends:
+    it is sent again every RESEND_EVERY s while the cell still runs and the handler has not
+    run since (and no more once it has)."""
+    import time
+
+    from nbddp.rank import interrupts
+
+    sent: list[float] = []
+    monkeypatch.setattr(interrupts, "_to_main", lambda: sent.append(time.monotonic()))
+    lost = interrupts.MainSigint()
+    lost.send(lambda: len(sent) < 4)  # the cell runs until the fourth
+    deadline = time.monotonic() + 5
+    while len(sent) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(3 * interrupts.RESEND_EVERY)
+    assert len(sent) == 4
+    handled = interrupts.MainSigint()
+    sent.clear()
+    handled.send(lambda: True)
+    handled.handled += 1  # the handler ran: no second one
+    time.sleep(3 * interrupts.RESEND_EVERY)
+    assert len(sent) == 1

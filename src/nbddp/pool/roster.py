@@ -14,7 +14,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..wire import protocol as P
 from ..wire.slurm import checked
@@ -105,8 +105,8 @@ class Roster:
         self.closed_to: str | None = None
         self.renewing: P.Reform | None = None  # attached: the re-form new processes join
         self.missing: dict[int, str] = {}  # attached: ranks of lost hosts -> their host
-        self._turned: list = []  # connections turned away, closed with the pool (not at
-        # once: a close with the peer's bytes unread resets it before it reads why)
+        # connections turned away, closed with the pool (not at once: a close with the
+        self._turned: list = []  # peer's bytes unread resets it before it reads why)
 
     # ------------------------------------------------------------ the table
 
@@ -278,7 +278,7 @@ class Roster:
             return
         r.link.conn, r.link.relay, r.pid, r.host = conn, relay, hello.pid, hello.host
         r.renewable = hello.held
-        r.slurm = checked(hello.slurm)  # (shown in a command: never as it arrived)
+        r.slurm = checked(hello.slurm)  # (shown in a command: never as it came)
         if relay is None:
             self.hub.watch(conn.fileno(), (r.rank, None))
         else:
@@ -288,9 +288,9 @@ class Roster:
         if self.store_port is not None and r.rank != 0:
             r.send(P.JoinGroup(self.store_port))
         if self.renewing is not None:  # a new process of a dead rank: the re-form it joins
-            r.send(self.renewing)
+            r.send(replace(self.renewing, new=True))
         elif hello.held:  # a held rank waits for the word to join: the first group
-            r.send(P.Reform(0))
+            r.send(P.Reform(0, new=True))
         if self.on_join is not None:
             self.on_join(len(self.ranks), self.world_size)
 

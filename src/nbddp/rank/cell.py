@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import os
 import pdb
-import signal
 import sys
 import threading
 import traceback
@@ -29,48 +28,13 @@ from . import metrics, profiling, rich
 from .control import flush_streams, write_marker
 from .ddp import DDPContext
 from .group import GroupKeeper, layout
+from .interrupts import CellInterrupts, MainSigint
 from .seq import call_group, call_shape, thread_ops
 from .user_code import OUT_OF_MEMORY, adopt, error_info, run_code, run_script, unwrap
 
 __all__ = ["CellInterrupts", "CellRunner"]
 
 CELL_PREFIX = S.CELL_PREFIX
-
-
-class CellInterrupts:
-    """Which cell an interrupt is for, in whatever order Run, Interrupt and the cell's end
-    come: the receiver thread calls :meth:`request`, the main thread :meth:`start` and
-    :meth:`end`. An interrupt for a cell not started yet waits for it; one for a cell
-    that has ended is dropped."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.running: int | None = None  # the cell the main thread runs
-        self.ended = 0  # the newest cell that has ended here
-        self.pending: int | None = None  # an interrupt for a cell still to come
-
-    def request(self, cell: int) -> bool:
-        """True: the main thread runs ``cell`` now; interrupt it."""
-        with self._lock:
-            if cell == self.running:
-                return True
-            if cell > self.ended:
-                self.pending = max(self.pending or 0, cell)
-            return False
-
-    def start(self, cell: int) -> bool:
-        """The main thread starts ``cell``; True when it was interrupted already."""
-        with self._lock:
-            self.running = cell
-            hit = self.pending == cell
-            if self.pending is not None and self.pending <= cell:
-                self.pending = None
-            return hit
-
-    def end(self, cell: int) -> None:
-        with self._lock:
-            self.running = None
-            self.ended = max(self.ended, cell)
 
 
 @dataclasses.dataclass
@@ -109,7 +73,7 @@ class CellRunner:
         self.namespace: dict = {}
         self.places_before: tuple = ()  # each group's count as the running cell started
         self.thread_ops_before = 0  # (and other threads' operations then)
-        self.signal_main: Callable[[], None] = _sigint_self  # raises KeyboardInterrupt there
+        self.sigint = MainSigint()  # SIGINT to the main thread, sent until it is handled
 
     def make_namespace(self, ctx: DDPContext) -> None:
         """The rank's persistent namespace: it is ``__main__``, so pickle finds cell classes."""
@@ -132,6 +96,7 @@ class CellRunner:
     def on_sigint(self, _signum: int, _frame: object) -> None:
         """Interrupt the user's code, never the rank's own work around it (the error being
         formatted, Done being sent): a KeyboardInterrupt there would end the rank."""
+        self.sigint.handled += 1
         if self.in_code:
             raise KeyboardInterrupt
 
@@ -140,7 +105,7 @@ class CellRunner:
         a StackQuery just before each Interrupt, and this thread answers them in order
         (sending the stack again here made an interrupt of a busy loop 3-4 ms slower)."""
         if self.interrupts.request(msg.cell):
-            self.signal_main()
+            self.sigint.send(lambda: self.interrupts.running == msg.cell)
 
     def on_stack_query(self, _msg: P.StackQuery) -> None:
         """Where the main thread is, and its place in each group's collectives: final
@@ -381,10 +346,6 @@ def _mark(fd: int, other: int, marker: bytes) -> None:
     note = f"nbddp: the cell closed this rank's {name[fd]}; it goes to {name[other]} now\n"
     with contextlib.suppress(OSError):
         os.write(other, note.encode())
-
-
-def _sigint_self() -> None:
-    os.kill(os.getpid(), signal.SIGINT)
 
 
 def _unpicklable(value: object, exc: Exception) -> P.ErrorInfo:

@@ -41,10 +41,11 @@ from ..wire import protocol as P
 from ..wire.private import UnsafeFile, read_token_file
 from ..wire.tls import Tls
 from . import debugger, metrics, rich, seq, shims
-from .cell import CellInterrupts, CellRunner
+from .cell import CellRunner
 from .control import Control, connect, connect_streams, flush_streams, parse_address
 from .ddp import threads_for
 from .group import GroupKeeper
+from .interrupts import CellInterrupts
 from .rebind import Rebound
 from .user_code import adopt, error_info, run_code
 
@@ -110,10 +111,11 @@ class Worker:
                 self._survive_interrupts(work[type(msg)], msg)
 
     def _await_reform(self) -> int:
-        """The re-form the notebook takes this new rank into: its generation."""
+        """The re-form the notebook takes this new rank into: its generation (a Reform
+        not sent to it as a new process was meant for the dead one: a relay's)."""
         while True:
             msg = self.control.inbox.get()
-            if isinstance(msg, P.Reform):
+            if isinstance(msg, P.Reform) and msg.new:
                 if msg.backend:
                     os.environ["NBDDP_BACKEND"] = msg.backend
                 return msg.generation

@@ -367,6 +367,9 @@ class Reform:
     generation: int = 0
     world_size: int = 0
     backend: str = ""
+    # sent to a new process in answer to its hello: the only Reform one that waits to be
+    # taken in takes (a relay may hand it one meant for the dead process it replaces)
+    new: bool = False
 
 
 @dataclass(frozen=True)
