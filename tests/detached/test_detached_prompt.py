@@ -111,3 +111,40 @@ def test_an_interrupt_sent_right_after_run_stops_the_cell(home, n):  # noqa: F81
         family.record()
         pool.stop()
         assert family.alive() == []
+
+
+def test_a_pool_that_hangs_up_after_the_handshake_is_said_stopping_in_one_line(home):  # noqa: F811
+    """A supervisor that is ending proves the token, then closes: ``%ddp stop NAME`` or
+    ``connect`` met a raw EOFError there (a clean-clone run's teardown did)."""
+    import os
+    import secrets
+    import shutil
+    import socket
+    import threading
+
+    from nbddp.detached import messages as W
+    from nbddp.wire import handshake
+    from nbddp.wire.private import write_private
+
+    folder = W.folder_of("ending")
+    os.makedirs(folder, mode=0o700)
+    token = secrets.token_hex(32).encode()
+    write_private(os.path.join(folder, "token"), token)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.path.join(folder, W.SOCKET))
+    listener.listen()
+
+    def hang_up() -> None:
+        sock, _ = listener.accept()
+        handshake.server_handshake(sock, token, 5.0)
+        sock.close()
+
+    ending = threading.Thread(target=hang_up)
+    ending.start()
+    try:
+        with pytest.raises(PoolClosedError, match="closed the connection: it is stopping"):
+            detached_client.connect("ending")
+    finally:
+        ending.join(10)
+        listener.close()
+        shutil.rmtree(folder)

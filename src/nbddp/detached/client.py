@@ -39,11 +39,17 @@ def _hello(
         raise E.PoolClosedError(str(exc)) from None
     except (OSError, EOFError):
         raise E.PoolClosedError(_unreachable(name)) from None
-    conn.send(W.Hello(os.getpid(), force, peek))
-    if not conn.poll(timeout):
+    try:
+        conn.send(W.Hello(os.getpid(), force, peek))
+        if not conn.poll(timeout):
+            conn.close()
+            raise E.PoolClosedError(f"the detached pool {name} did not answer in {timeout:g} s")
+        return conn, conn.recv()
+    except (EOFError, OSError):  # (its supervisor is ending: it takes no one now)
         conn.close()
-        raise E.PoolClosedError(f"the detached pool {name} did not answer in {timeout:g} s")
-    return conn, conn.recv()
+        raise E.PoolClosedError(
+            f"the detached pool {name} closed the connection: it is stopping"
+        ) from None
 
 
 def _unreachable(name: str) -> str:
