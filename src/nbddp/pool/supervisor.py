@@ -22,10 +22,11 @@ The cell::
            (a rank seen there once may be finishing a collective the failed rank
            took part in: on a busy machine it is scheduled late, not blocked)
         -> ranks still waiting in a collective grace s after the abort did not come
-           free (a group nbddp could not reach), nor ranks that stayed all that time at
-           one place in torch's own code (a DDP backward: its all_reduce runs in C++, with no
-           torch.distributed frame), nor ranks not heard from since the abort by
-           grace + SILENT s (C code that holds the GIL): stop the pool
+           free (a group nbddp could not reach): stop the pool; so are ranks that stayed
+           STUCK_AFTER s at one place in torch's own code (a DDP backward: its all_reduce
+           runs in C++, with no torch.distributed frame), or answered nothing that long
+           (C code that holds the GIL): long, as a big backward or the load of a big
+           shipment legitimately stays there for seconds after an abort
     interrupt (stop button, Ctrl-C) or --timeout, at t
         -> stacks are taken (where each rank was), then SIGINT to the running ranks
         -> abort at t + grace/2, or sooner when a rank has ended and every
@@ -58,7 +59,7 @@ SAMPLE_FAST = 0.1  # stacks after a failure, to abort as soon as the others wait
 SETTLE = 0.2  # seen waiting in the same collective this long after a failure: blocked
 SUSPECT_EVERY = 0.25  # positions while some ranks have finished and others still run
 DISAGREE_SETTLE = 0.3  # ranks in different collectives at one place this long: deadlocked
-SILENT = 5.0  # past the grace period, a rank that has not answered since the abort: stuck
+STUCK_AFTER = 30.0  # s after an abort: a rank still in torch's code, or silent, is stuck
 
 
 @dataclass(frozen=True)
@@ -328,10 +329,8 @@ class CellSupervisor:
             return True  # still in the collective
         w = self.where.get(rank)
         if w is None or w.taken < after:
-            return now >= after + self.grace + SILENT  # not one answer since: C holds the GIL
-        # the whole grace period at one place in torch's code (a freed rank leaves it at
-        # once; on a busy machine a rank may not run for a while: never less than that)
-        return in_torch(w.frames) and w.taken - max(w.since, after) >= self.grace
+            return now >= after + STUCK_AFTER  # not one answer since: C holds the GIL
+        return in_torch(w.frames) and w.taken - max(w.since, after) >= STUCK_AFTER
 
     def _blocked(self, rank: int, after: float) -> bool:
         """Seen since ``after``, waiting in the same collective for SETTLE s or more."""
