@@ -34,14 +34,19 @@ SET_MAX = 24  # characters of an integer set shown in a line; more: its range
 DETAIL_RANKS = 64  # ranks whose values the detail lists, at most
 
 
+def _digits_before(text: str, end: int) -> int:
+    """Where the run of digits that ends at ``end`` starts (``end``: none)."""
+    while end and text[end - 1] in _DIGITS:
+        end -= 1
+    return end
+
+
 def _bar(line: str) -> tuple[str, str, str] | None:
     """A tqdm bar's (description, count, total), or None: the line is no bar."""
     pct = line.find("%|") if len(line) <= BAR_MAX else -1
     if pct < 1:
         return None
-    start = pct
-    while start and line[start - 1] in _DIGITS:
-        start -= 1
+    start = _digits_before(line, pct)
     close = line.rfind("|")
     m = _COUNT.match(line, close + 1) if start < pct and close > pct + 1 else None
     return (line[:start].rstrip(), m.group(1), m.group(2)) if m else None
@@ -55,13 +60,9 @@ def _open_count(line: str) -> str | None:
     if at < 1 or "]" in inside or ("it/s" not in inside and "s/it" not in inside):
         return None
     end = at - (text[at - 1] in "kMG")
-    start = end
-    while start and text[start - 1] in _DIGITS:
-        start -= 1
+    start = _digits_before(text, end)
     if start >= 2 and text[start - 1] == "." and text[start - 2] in _DIGITS:
-        start -= 1
-        while start and text[start - 1] in _DIGITS:
-            start -= 1
+        start = _digits_before(text, start - 1)
     return text[start : at + 2] if start < end and text[start] in _DIGITS else None
 
 

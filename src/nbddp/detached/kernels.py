@@ -185,7 +185,7 @@ class Kernels:
                 return
             self.prompts += _prompts([item])
             if self.prompts and isinstance(item, W.Batch):
-                item = W.Batch(tuple(i for i in item.items if not _is_tick(i)))
+                item = W.Batch(tuple(i for i in item.items if not W.is_tick(i)))
             if not isinstance(item, W.Batch) or item.items:
                 self.client.put(item)
 
@@ -235,14 +235,9 @@ class Kernels:
             client.join(timeout)
 
 
-def _is_tick(item: object) -> bool:
-    return isinstance(item, W.Event) and isinstance(item.event, P.Tick)
-
-
 def _prompts(items) -> int:
     """The rank pdb prompts in ``items`` (Batches opened)."""
-    flat = [i for item in items for i in (item.items if isinstance(item, W.Batch) else (item,))]
-    return sum(isinstance(i, W.Event) and isinstance(i.event, P.RankDebug) for i in flat)
+    return sum(isinstance(i, W.Event) and isinstance(i.event, P.RankDebug) for i in W.flat(items))
 
 
 def _last_word(conn: Link, msg: object) -> None:

@@ -68,7 +68,9 @@ __all__ = [
     "TakenOver",
     "Unread",
     "Welcome",
+    "flat",
     "folder_of",
+    "is_tick",
     "pools_folder",
 ]
 
@@ -249,6 +251,15 @@ class DebugReply:
     line: str | None
 
 
+def flat(items) -> list:
+    """``items`` with each Batch opened into its own."""
+    return [x for i in items for x in (i.items if isinstance(i, Batch) else (i,))]
+
+
+def is_tick(item: object) -> bool:
+    return isinstance(item, Event) and isinstance(item.event, P.Tick)
+
+
 # what a backlog bounds (the rest, a cell's end, replies, exits, states, prompts, are a
 # few per cell and always kept); Ticks are not kept at all: they only refresh clocks
 _BULK = (P.Output, P.RankWhere, P.RankProgress, P.RankMetrics, P.RankDisplay)
@@ -290,8 +301,7 @@ class Backlog:
         return len(self.items)
 
     def extend(self, items, front: bool = False) -> None:
-        items = [x for i in items for x in (i.items if isinstance(i, Batch) else (i,))]
-        items = [i for i in items if not (isinstance(i, Event) and isinstance(i.event, P.Tick))]
+        items = [i for i in flat(items) if not is_tick(i)]
         if front:
             self.items.extendleft(reversed(items))
         else:

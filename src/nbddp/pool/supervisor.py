@@ -384,7 +384,7 @@ class CellSupervisor:
         if (
             self.aborted_at is not None
             and running
-            and not self.interrupt_at
+            and self.interrupt_at is None
             and not self._past_grace
         ):
             times.append(self.aborted_at + self.grace)

@@ -49,4 +49,5 @@ def checked(slurm: object) -> Slurm | None:
         "GROUP_RANK": str(slurm.node_rank),
         "MASTER_ADDR": str(slurm.master_addr),
     }
-    return slurm_of(env) if slurm_of(env) == slurm else None
+    built = slurm_of(env)
+    return built if built == slurm else None
