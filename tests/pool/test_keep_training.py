@@ -46,9 +46,13 @@ def train_on(pool) -> None:
     for r in range(1, n):
         for key, value in states[0][0].items():
             assert torch.equal(states[r][0][key], value), f"rank {r}'s {key} differs"
+        for i, kept in states[0][1]["state"].items():  # (SGD's momentum: the next step's)
+            for key, value in kept.items():
+                mine = states[r][1]["state"][i][key]
+                assert torch.equal(mine, value), f"rank {r}'s optimizer {key} {i} differs"
     got = pool.execute(TRAIN, timeout=60)
     want = expected(states[0], n)
-    assert same_losses(got, want), (got, want)
+    assert same_losses(got, want), f"{got!r}\n{want!r}"
 
 
 def _failed(pool, code: str) -> tuple[str, list[str]]:
@@ -112,6 +116,48 @@ def test_a_re_form_then_the_next_training_cell(trained, event):
     assert "re-formed" in said, said
     assert "model: DDP on the new group" in said, said
     train_on(pool)
+
+
+def stepping_apart(rank: int) -> str:
+    """TRAIN, with ``rank`` raising between its backward and its optimizer step at step 1:
+    the others take that step (and wait in the next one's all_reduce)."""
+    fail = f"    if rank == {rank} and step == 1:\n        raise ValueError('bad batch')\n"
+    return TRAIN.replace("    opt.step()\n", fail + "    opt.step()\n")
+
+
+@pytest.mark.timeout(180)
+def test_a_step_ended_on_some_ranks_only_is_made_one_model_again(trained):
+    """Issue 46/47: the re-form kept every namespace, and with it rank 1 one optimizer
+    step behind the others; DDP never compares, so the next training cell trained a
+    different model on each rank (at 8 ranks under load a death mid-step did the same,
+    the abort landing as a slow rank finished its all_reduce). ``--heal model,opt``:
+    the pool copies them from the ranks that agree to the one that does not."""
+    pool = healthy(trained)
+    n = pool.world_size
+    message, _ = _failed(pool, stepping_apart(1))
+    assert message.splitlines()[0] == "rank 1: ValueError: bad batch", message
+    assert (
+        f"model differed across the ranks after the re-form (rank 1 apart from "
+        f"{rank_set([r for r in range(n) if r != 1])}: the failed cell ended a training step "
+        "on some ranks only): model, opt copied from rank 0 to rank 1 in "
+    ) in message, message
+    train_on(pool)
+
+
+@pytest.mark.timeout(120)
+def test_without_heal_a_model_apart_is_said_with_the_command_that_mends_it():
+    with Pool(3, grace=2.0) as pool:
+        pool.execute(MODEL)
+        message, _ = _failed(pool, stepping_apart(2))
+        assert (
+            "model differs across the ranks now (rank 2 apart from ranks 0, 1: the failed cell "
+            "ended a training step on some ranks only, and DDP would train a different model "
+            "on each): %ddp copy model opt --from 0 --to 2 makes it one model"
+        ) in message, message
+        with pytest.raises(AssertionError, match="rank 2's"):
+            train_on(pool)  # (the model apart, as said)
+        pool.copy(["model", "opt"], 0, [2])  # the command the note names
+        train_on(pool)
 
 
 @pytest.mark.timeout(300)

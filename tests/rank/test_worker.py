@@ -118,3 +118,33 @@ def test_a_new_process_takes_only_the_reform_sent_to_it_as_new():
         inbox.put(msg)
     fake = SimpleNamespace(control=SimpleNamespace(inbox=inbox))
     assert Worker._await_reform(fake) == 5
+
+
+def test_a_read_of_the_positions_waits_for_another_threads_read(monkeypatch):
+    """Issue 47/46: the sampler thread reads the positions while the main thread ends its
+    cell; the main thread's read found the lock taken and said nothing (``()``), so at 8
+    ranks under load a cell left out of step went unjudged (no re-form, no note). A read
+    now waits for the other one (a few microseconds), or for an abort up to a bound."""
+    import queue
+    import threading
+
+    from nbddp.rank import group as G
+
+    monkeypatch.setattr(G, "positions", lambda: (("0", (), 5, False),))
+    keeper = G.GroupKeeper(0, 2, lambda _msg: None, queue.Queue())
+    held, release = threading.Event(), threading.Event()
+
+    def other_reader() -> None:
+        with keeper._abort_lock:
+            held.set()
+            release.wait(5)
+
+    thread = threading.Thread(target=other_reader)
+    thread.start()
+    held.wait(5)
+    threading.Timer(0.05, release.set).start()
+    assert keeper.positions() == (("0", (), 5, False),)
+    thread.join()
+    monkeypatch.setattr(G, "POSITIONS_WAIT", 0.05)  # an abort that takes longer: nothing said
+    with keeper._abort_lock:
+        assert keeper.positions() == ()

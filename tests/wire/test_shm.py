@@ -24,11 +24,21 @@ def maker(name: str) -> int | None:
     return int(pid) if pid.isdigit() else None
 
 
+def _theirs(pid: int | None) -> bool:
+    """``pid`` lives and is not this process's descendant (a kernel another xdist worker
+    started, with a pool of its own: its folder is not this test's doing)."""
+    try:
+        return pid is not None and os.getpid() not in {p.pid for p in psutil.Process(pid).parents()}
+    except psutil.Error:  # gone: counted (a dead maker's folder left behind is a leak)
+        return False
+
+
 class Made:
     """The nbddp folders in shared memory that a test's own processes made: those that
     appeared while it ran and whose maker was born during it. The folders of processes
     alive before (this test process's other pools, another test run beside this one) are
-    not the test's doing, and are never counted."""
+    not the test's doing, and are never counted; nor are those of a live process that is
+    not this one's descendant (under ``pytest -n 2``, the other worker's kernels)."""
 
     def __init__(self) -> None:
         self.names = self.now()
@@ -39,7 +49,11 @@ class Made:
         return {n for n in os.listdir(SHM) if n.startswith("nbddp")}
 
     def since(self) -> set[str]:
-        return {n for n in self.now() - self.names if maker(n) not in self.pids}
+        return {
+            n
+            for n in self.now() - self.names
+            if maker(n) not in self.pids and not _theirs(maker(n))
+        }
 
 
 KILLED_IN_GATHER = (

@@ -343,6 +343,15 @@ def death_notes(facts: Facts, rank: int, code: int | None, cell_code: str) -> li
     return []
 
 
+def _last_seen(action) -> str:
+    """``rank 3 last seen at loss.backward(), cell line 7``, each stopped rank's."""
+    seen = action.seen or ((),) * len(action.ranks)
+    return "; ".join(
+        f"rank {r} last seen at {S.summary(f)}" if f else f"rank {r} answered no sample"
+        for r, f in zip(action.ranks, seen, strict=False)
+    )
+
+
 def _stop_note(facts: Facts, action) -> str:
     stuck = list(action.ranks)
     if action.reason == "death" and facts.attached:
@@ -360,9 +369,9 @@ def _stop_note(facts: Facts, action) -> str:
         )
     if action.reason == "abort":
         return state_lost(
-            f"{S.rank_set(stuck)} still ran {facts.grace:g} s after the process group was "
-            "aborted (blocked where the abort did not reach: a collective, or a DDP step's "
-            "in torch's code) and "
+            f"{S.rank_set(stuck)} still ran {max(action.seconds, facts.grace):.0f} s after "
+            "the process group was aborted (blocked where the abort did not reach: a "
+            f"collective, or a DDP step's in torch's code; {_last_seen(action)}) and "
             f"{_were(stuck)} stopped with the rest of the pool"
         )
     return state_lost(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..rank.gpus import pool_plan
 from ..wire import protocol as P
-from . import healing, hosts_lost, rebinding, recovery
+from . import agreeing, healing, hosts_lost, rebinding, recovery
 from .errors import PoolClosedError, PoolStartError
 from .hub import Gone
 from .processes import rank_env
@@ -176,10 +176,13 @@ class PoolRepair:
             return
         if had:  # ranks died while the group formed: a new process took each one's place
             yield from self._replaced(had, t0, code)
-        elif not decision.quiet:
+        else:
             took = time.monotonic() - t0
             bound = rebinding.words(self.roster.ranks.values(), self.world_size)
-            self.notes.append(recovery.reformed_note(self.facts(), decision, took, bound))
+            one = agreeing.one_model(self)  # (its copy's cells set self.notes)
+            if not decision.quiet:
+                self.notes.append(recovery.reformed_note(self.facts(), decision, took, bound))
+            self.notes += one
 
     def _replace(self: Pool, decision: Replace):
         """New processes in place of the dead ranks, the group re-formed with all of them;
@@ -200,9 +203,11 @@ class PoolRepair:
         took, table = time.monotonic() - t0, self.roster.ranks
         fresh = {r: frozenset(h.name for h in table[r].held) | table[r].names for r in had}
         bound = rebinding.words(self.roster.ranks.values(), self.world_size, died=True)
+        one = agreeing.one_model(self)  # (the survivors first: the heal copies from one)
         healed, reran = healing.renew(self, sorted(had))  # (its cells set self.notes)
         facts = self.facts()
         self.notes += recovery.replaced_notes(facts, had, took, fresh, healed, code, bound)
+        self.notes += one
         self.notes += reran
         for rank in sorted(had):
             yield P.RankState(rank, "replaced")

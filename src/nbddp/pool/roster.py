@@ -1,11 +1,10 @@
 """The roster: the pool's rank table, each rank's state, and the start handshake.
 
-A rank record holds what the notebook knows of one rank (pid, host, device,
-state, the names in its namespace) and its :class:`~nbddp.pool.hub.Link`. New
-connections come here from the hub (:meth:`Roster.attach`): a rank's Hello
-makes or completes its record, its two StreamHellos add its streams, a
-relay's hello adds a relay. The handshake (:meth:`Roster.handshake`) waits
-until every rank has joined the group and said Ready.
+A rank record holds what the notebook knows of one rank (pid, host, device, state,
+the names in its namespace) and its :class:`~nbddp.pool.hub.Link`. New connections
+come here from the hub (:meth:`Roster.attach`): a rank's Hello makes or completes its
+record, its two StreamHellos add its streams, a relay's hello adds a relay. The
+handshake (:meth:`Roster.handshake`) waits until every rank is in the group, Ready.
 """
 
 from __future__ import annotations
@@ -51,6 +50,7 @@ class Rank:
     held: tuple[P.Held, ...] = ()  # every global name with its kind and size (P.Held)
     rebound: tuple[str, ...] = ()  # its last re-form: the DDP models it bound again
     stale: tuple[P.Stale, ...] = ()  # its last re-form: what is still bound to the old group
+    weights: tuple[tuple[str, str, str], ...] = ()  # its last re-form: P.Ready.weights
     renewable: bool = False  # attached: a holder on its host forks a new process if it dies
     slurm: P.Slurm | None = None  # attached under SLURM: its job, node rank and master
     # its namespace's number: each record is one process, so one namespace (Pool.namespaces)
@@ -373,7 +373,7 @@ class Roster:
         if msg.generation != self.reforms:
             return  # it joined a re-form a death made the pool give up on
         r.state, r.backend, r.device = "idle", msg.backend, msg.device
-        r.rebound, r.stale = msg.rebound, msg.stale
+        r.rebound, r.stale, r.weights = msg.rebound, msg.stale, msg.weights
         if msg.names:
             r.names, r.modules = frozenset(msg.names), frozenset(msg.modules)
         if msg.held:

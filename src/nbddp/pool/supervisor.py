@@ -74,6 +74,8 @@ class Action:
     kind: str
     ranks: tuple[int, ...]
     reason: str = ""
+    seen: tuple[tuple[Frame, ...], ...] = field(default=(), compare=False)  # a stop's: stacks
+    seconds: float = field(default=0.0, compare=False)  # since the abort (each rank's stack)
 
 
 @dataclass
@@ -113,10 +115,8 @@ class CellSupervisor:
     suspect: bool = field(init=False, default=False)  # a rank finished, others run
 
     def __post_init__(self) -> None:
-        self.phase = Phases(self.targets, "running")
-        self.started = self.now
-        if not self.detect:
-            self.others = ()
+        self.phase, self.started = Phases(self.targets, "running"), self.now
+        self.others = self.others if self.detect else ()
         self._every = SAMPLE_EVERY if self.detect else 2 * SAMPLE_EVERY
         self._next_sample = self.now + (SUSPECT_EVERY if self.others else self._every)
         self._pending: list[Action] = []
@@ -126,9 +126,7 @@ class CellSupervisor:
     @property
     def triggered_at(self) -> float | None:
         """When the cell went wrong: the first failure or the interrupt."""
-        times = [self.interrupt_at]
-        if self.first_failure is not None:
-            times.append(self.first_failure[0])
+        times = [self.interrupt_at, self.first_failure and self.first_failure[0]]
         return min((t for t in times if t is not None), default=None)
 
     # ------------------------------------------------------------ what is
@@ -289,11 +287,13 @@ class CellSupervisor:
             self._next_sample = now  # see at once whether the others wait for it
 
     def _stop(self, reason: str, now: float) -> None:
-        self.stopped = reason
-        stuck = tuple(sorted(self.running))
+        self.stopped, stuck, after = reason, tuple(sorted(self.running)), self.aborted_at or now
         for r in self.unfinished:  # a rank whose Done came keeps its outcome
             self.phase[r] = self._final(r) if self.phase[r] == "ending" else "stopped"
-        self._pending.append(Action("stop", stuck, reason))
+        seen = tuple(
+            w.frames if (w := self.where.get(r)) and w.taken >= after else () for r in stuck
+        )
+        self._pending.append(Action("stop", stuck, reason, seen, now - after))
 
     def _abort_at(self, now: float) -> float | None:
         if self.aborted_at is not None or not self.phase.count["running"] or self.stopped:

@@ -114,6 +114,7 @@ def _agent_store() -> bool:
 
 
 JOIN_TIMEOUT = 300.0  # seconds a rank waits for the store's address (the pool's own is 120)
+POSITIONS_WAIT = 1.0  # seconds a read of the positions waits for an abort, or another read
 
 
 class GroupKeeper:
@@ -189,8 +190,10 @@ class GroupKeeper:
     def positions(self) -> tuple:
         """This rank's place in each group's collectives (:func:`nbddp.rank.seq.positions`),
         or none while the group is formed or aborted: the backend's count is read with the
-        GIL released, so never while the main thread aborts the group."""
-        if self.joining or not self._abort_lock.acquire(blocking=False):
+        GIL released, so never while a thread aborts the group. Another reader holds the
+        lock a few microseconds: waited for (the sampler thread's read must not make the
+        main thread's Done say nothing, which leaves its cell unjudged for being in step)."""
+        if self.joining or not self._abort_lock.acquire(timeout=POSITIONS_WAIT):
             return ()
         try:
             return positions()

@@ -13,6 +13,10 @@ points at it, and would fail, or wait for ever, in the next cell's first collect
   its own without waiting for the others, and a rank that took a dead one's place
   (which has no model yet) blocks nobody. Every rank's wrapper is new, so the first
   backward rebuilds the buckets on every rank together, as DDP expects;
+- each one bound again is fingerprinted (:func:`fingerprint`): a cell that failed in a
+  training step may have ended the step on some ranks only (one rank raised between
+  ``backward`` and ``opt.step()``; the abort came as another finished its all_reduce),
+  and the pool compares the ranks' fingerprints (:mod:`nbddp.pool.agreeing`);
 - what cannot be bound again (a DDP over a subgroup the cell made, with a
   communication hook or mixed precision; a ``ProcessGroup``, a ``DeviceMesh``, a
   ``DTensor``, a module sharded with ``fully_shard`` or holding DTensor parameters) is
@@ -26,6 +30,7 @@ Only the namespace's own names are looked at, not objects inside other objects.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import sys
 
@@ -36,7 +41,7 @@ from .copying import SHARDED as FULLY_SHARDED
 from .copying import bound_to_group, group_types
 from .wrap import DDP, cannot_remake, options_of, wrap
 
-__all__ = ["Rebound", "rebind", "stale_kind"]
+__all__ = ["Rebound", "fingerprint", "rebind", "stale_kind"]
 
 # Stale.kind: what the object is, which decides what the pool's note says mends it
 SHARDED = "sharded"  # FSDP2 (fully_shard) or DTensor parameters: the shards are per rank
@@ -44,6 +49,7 @@ DDP_STUCK = "ddp"  # a DDP wrapper that could not be made again here
 GROUP = "group"  # a ProcessGroup, DeviceMesh or DTensor over the old group
 
 _INIT_SYNC = "init_sync" in inspect.signature(DDP.__init__).parameters
+FINGERPRINTED = 4096  # elements of each parameter a fingerprint reads (a step moves them all)
 
 
 class Rebound:
@@ -52,6 +58,23 @@ class Rebound:
     def __init__(self) -> None:
         self.names: list[str] = []
         self.stale: list[P.Stale] = []
+        # name -> (fingerprint of its parameters, the optimizers over them: "opt,sched")
+        self.weights: dict[str, tuple[str, str]] = {}
+
+
+def fingerprint(module: torch.nn.Module) -> str:
+    """A digest of ``module``'s parameters (shapes, and the first FINGERPRINTED elements
+    of each: an optimizer step moves every one), '' when they cannot be read. Equal on
+    two ranks when they hold one model; a few milliseconds even for a large one."""
+    digest = hashlib.blake2b(digest_size=8)
+    try:
+        for p in module.parameters():
+            head = p.detach().reshape(-1)[:FINGERPRINTED].contiguous()
+            digest.update(repr((tuple(p.shape), head.dtype)).encode())
+            digest.update(head.view(torch.uint8).cpu().numpy().tobytes())
+    except Exception:  # (a meta tensor, a subclass that refuses a view): not compared
+        return ""
+    return digest.hexdigest()
 
 
 def _sharded(obj: object) -> bool:
@@ -105,9 +128,22 @@ def rebind(namespace: dict, groups: dict) -> Rebound:
                     continue
             namespace[name] = made[id(obj)]
             done.names.append(name)
+            done.weights[name] = (fingerprint(obj.module), _optimizers(namespace, obj.module))
         elif (found := stale_kind(obj, types)) is not None and name not in ("group", "mesh"):
             done.stale.append(P.Stale(name, *found))
     return done
+
+
+def _optimizers(namespace: dict, module: torch.nn.Module) -> str:
+    """The names of the namespace's optimizers over ``module``'s parameters: "opt"."""
+    params = {id(p) for p in module.parameters()}
+    return ",".join(
+        name
+        for name, obj in namespace.items()
+        if isinstance(obj, torch.optim.Optimizer)
+        and not name.startswith("_")
+        and any(id(p) in params for g in obj.param_groups for p in g["params"])
+    )
 
 
 def _again(old: DDP, group) -> DDP:

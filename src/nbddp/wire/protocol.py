@@ -56,45 +56,14 @@ from .markers import end_marker, split_markers  # (the streams' end markers, as 
 from .slurm import Slurm, slurm_of  # (a part of Hello, as P.Slurm)
 
 __all__ = [
-    "PROTOCOL_VERSION",
-    "AbortGroup",
-    "DebugInput",
-    "DebugPrompt",
-    "Display",
-    "Done",
-    "ErrorInfo",
-    "Fatal",
-    "Held",
-    "Hello",
-    "Interrupt",
-    "JoinGroup",
-    "Metrics",
-    "Profile",
-    "Progress",
-    "Query",
-    "Ready",
-    "ReformFailed",
-    "Reform",
-    "RelayHello",
-    "Run",
-    "Script",
-    "Shutdown",
-    "StackQuery",
-    "Stale",
-    "Stacks",
-    "StatusReply",
-    "StorePort",
-    "StreamHello",
-    "dumps",
-    "end_marker",
-    "kernel_of",
-    "loads",
-    "slurm_of",
-    "split_markers",
-    *events.__all__,
-]
+    "PROTOCOL_VERSION", "AbortGroup", "DebugInput", "DebugPrompt", "Display", "Done",
+    "ErrorInfo", "Fatal", "Held", "Hello", "Interrupt", "JoinGroup", "Metrics", "Profile",
+    "Progress", "Query", "Ready", "ReformFailed", "Reform", "RelayHello", "Run", "Script",
+    "Shutdown", "StackQuery", "Stale", "Stacks", "StatusReply", "StorePort", "StreamHello",
+    "dumps", "end_marker", "kernel_of", "loads", "slurm_of", "split_markers", *events.__all__,
+]  # fmt: skip
 
-PROTOCOL_VERSION = 11  # 10: Done.issued, Ready.rebound, Ready.stale; 11: versions by kernel
+PROTOCOL_VERSION = 12  # 10: Done.issued, Ready.rebound/stale; 11: versions by kernel; 12: weights
 
 # A shipped object's version (Run.versions): the notebook's own random tag (high bits),
 # then its count, so versions from two kernels (a detached pool outlives one) never meet
@@ -199,6 +168,7 @@ class Ready:
     held: tuple[Held, ...] = ()  # every global name, the notebook's included
     rebound: tuple[str, ...] = ()  # a re-form: the DDP models made again on the new group
     stale: tuple[Stale, ...] = ()  # a re-form: what is still bound to the old group
+    weights: tuple[tuple[str, str, str], ...] = ()  # a re-form: (model, digest, optimizers)
 
 
 @dataclass(frozen=True)
