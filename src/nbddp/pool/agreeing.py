@@ -98,5 +98,5 @@ def _differs(a: Apart, names: list[str]) -> str:
     return (
         f"{a.name} differs across the ranks now ({_who(a)}: {WHY}, and DDP would train a "
         f"different model on each): %ddp copy {' '.join(names)} --from {a.src} --to {to} "
-        f"makes it one model (a pool started with --heal {','.join(names)} does it at once)"
+        f"makes it one model (after %ddp start --heal {','.join(names)}, the pool does it itself)"
     )
