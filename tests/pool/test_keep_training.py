@@ -144,6 +144,23 @@ def test_a_step_ended_on_some_ranks_only_is_made_one_model_again(trained):
     train_on(pool)
 
 
+@pytest.mark.timeout(180)
+def test_a_step_apart_and_a_death_in_one_cell_then_the_next_training_cell(trained):
+    """Rank 1 a step behind, and the last rank dead in the next step: the copy that makes
+    one model again goes to the dead rank's new process too (DDP's wrapping again needs
+    every rank to hold the model), then --heal; every rank trains one model."""
+    pool = healthy(trained)
+    n = pool.world_size
+    kill = f"    if rank == {n - 1} and step == 2:\n        os.kill(os.getpid(), 9)\n"
+    code = "import os\n" + stepping_apart(1).replace(
+        "    opt.zero_grad()\n", "    opt.zero_grad()\n" + kill
+    )
+    message, _ = _failed(pool, code)
+    assert "model, opt copied from rank 0 to " in message, message
+    assert f"rank {n - 1}: model, opt healed from rank 0" in message, message
+    train_on(pool)
+
+
 @pytest.mark.timeout(120)
 def test_without_heal_a_model_apart_is_said_with_the_command_that_mends_it():
     with Pool(3, grace=2.0) as pool:

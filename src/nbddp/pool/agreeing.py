@@ -64,11 +64,13 @@ def apart(ranks: Iterable) -> list[Apart]:
     return found
 
 
-def one_model(pool) -> list[str]:
+def one_model(pool, new: list[int] | None = None) -> list[str]:
     """Make each model that differs one again (``--heal`` names it), or say how; the
-    notes. Runs before the next cell, after the re-form."""
+    notes. Runs after the re-form, before the next cell and before ``--heal`` gives the
+    ``new`` ranks (a dead one's new process) theirs: they get this one too, as DDP's
+    wrapping again on every rank needs every rank to hold the model."""
     notes = []
-    for a in apart(r for r in pool.roster.ranks.values() if r.state == "idle"):
+    for a in apart(r for r in pool.roster.ranks.values() if r.weights):
         names = [a.name, *a.optimizers]
         if a.name not in (getattr(pool, "heal", ()) or ()):
             notes.append(_differs(a, names))
@@ -76,7 +78,7 @@ def one_model(pool) -> list[str]:
         t0 = time.monotonic()
         try:
             with own_cells(pool):  # (the copy's cells would take what waits for the next)
-                pool.copy(names, a.src, list(a.apart))
+                pool.copy(names, a.src, sorted({*a.apart, *(new or ())}))
         except (NbddpError, KeyboardInterrupt) as exc:
             why = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc)
             notes.append(_differs(a, names) + f" (the copy failed: {why.splitlines()[0]})")

@@ -203,7 +203,7 @@ class PoolRepair:
         took, table = time.monotonic() - t0, self.roster.ranks
         fresh = {r: frozenset(h.name for h in table[r].held) | table[r].names for r in had}
         bound = rebinding.words(self.roster.ranks.values(), self.world_size, died=True)
-        one = agreeing.one_model(self)  # (the survivors first: the heal copies from one)
+        one = agreeing.one_model(self, sorted(had))  # (first: the heal copies from a survivor)
         healed, reran = healing.renew(self, sorted(had))  # (its cells set self.notes)
         facts = self.facts()
         self.notes += recovery.replaced_notes(facts, had, took, fresh, healed, code, bound)
