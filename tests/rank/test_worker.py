@@ -148,3 +148,9 @@ def test_a_read_of_the_positions_waits_for_another_threads_read(monkeypatch):
     monkeypatch.setattr(G, "POSITIONS_WAIT", 0.05)  # an abort that takes longer: nothing said
     with keeper._abort_lock:
         assert keeper.positions() == ()
+        said: list = []  # the receiver thread (a sample) never waits: an interrupt may follow
+        monkeypatch.setattr(G, "POSITIONS_WAIT", 60.0)
+        reader = threading.Thread(target=lambda: said.append(keeper.positions()))
+        reader.start()
+        reader.join(5)
+        assert said == [()]

@@ -287,7 +287,8 @@ class CellSupervisor:
             self._next_sample = now  # see at once whether the others wait for it
 
     def _stop(self, reason: str, now: float) -> None:
-        self.stopped, stuck, after = reason, tuple(sorted(self.running)), self.aborted_at or now
+        after = now if self.aborted_at is None else self.aborted_at
+        self.stopped, stuck = reason, tuple(sorted(self.running))
         for r in self.unfinished:  # a rank whose Done came keeps its outcome
             self.phase[r] = self._final(r) if self.phase[r] == "ending" else "stopped"
         seen = tuple(

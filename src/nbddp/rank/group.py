@@ -190,10 +190,13 @@ class GroupKeeper:
     def positions(self) -> tuple:
         """This rank's place in each group's collectives (:func:`nbddp.rank.seq.positions`),
         or none while the group is formed or aborted: the backend's count is read with the
-        GIL released, so never while a thread aborts the group. Another reader holds the
-        lock a few microseconds: waited for (the sampler thread's read must not make the
-        main thread's Done say nothing, which leaves its cell unjudged for being in step)."""
-        if self.joining or not self._abort_lock.acquire(timeout=POSITIONS_WAIT):
+        GIL released, so never while a thread aborts the group. The main thread waits for
+        another reader (a few microseconds) or an abort, up to POSITIONS_WAIT: the sampler
+        thread's read must not make the cell's Done say nothing, which leaves the cell
+        unjudged for being in step. The receiver thread never waits (a sample may say
+        nothing; an interrupt behind it must not wait)."""
+        main = threading.current_thread() is threading.main_thread()
+        if self.joining or not self._abort_lock.acquire(timeout=POSITIONS_WAIT if main else 0):
             return ()
         try:
             return positions()
