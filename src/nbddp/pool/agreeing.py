@@ -70,9 +70,9 @@ def one_model(pool, new: list[int] | None = None) -> list[str]:
     ``new`` ranks (a dead one's new process) theirs: they get this one too, as DDP's
     wrapping again on every rank needs every rank to hold the model."""
     notes = []
-    for a in apart(r for r in pool.roster.ranks.values() if r.weights):
+    for a in apart(pool.roster.ranks.values()):
         names = [a.name, *a.optimizers]
-        if a.name not in (getattr(pool, "heal", ()) or ()):
+        if a.name not in pool.heal:
             notes.append(_differs(a, names))
             continue
         t0 = time.monotonic()

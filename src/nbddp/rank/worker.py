@@ -206,7 +206,7 @@ class Worker:
                 held,
                 rebound=tuple(rebound.names) if rebound else (),
                 stale=tuple(rebound.stale) if rebound else (),
-                weights=tuple((k, *v) for k, v in rebound.weights.items()) if rebound else (),
+                weights=tuple(rebound.weights) if rebound else (),
             )
         )
 
