@@ -90,6 +90,14 @@ CASES = {
         True,
         True,
     ),
+    "one stuck in C ignoring SIGINT + interrupt": (
+        COLL
+        + "import signal, time\nif rank == BAD:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        + READY
+        + "if rank == BAD:\n    time.sleep(60)\ndist.all_reduce(t)",
+        True,
+        True,
+    ),
     "mismatched collectives, --debug": (
         COLL + "if rank == BAD:\n    " + MARK.replace("\n", "\n    ") + "dist.barrier()\n"
         "else:\n    dist.all_reduce(t)",
@@ -272,6 +280,8 @@ def run_size(n: int, args) -> dict:
     bad = str(n - 2 if n > 2 else 0)
     results: dict = {"nbddp": {}, "ipyparallel": {}}
     for name, (code, interrupted, on_ipp) in CASES.items():
+        if args.cases and not any(c in name for c in args.cases):
+            continue
         debug = "--debug" in name
         with Pool(n, debug=debug) as pool:
             runs = [
@@ -298,7 +308,7 @@ def table(n: int, results: dict) -> list[str]:
     if results["ipyparallel"]:
         head += f" | {'ipyparallel':<24} {'recover':>8} {'state':>6}"
     lines.append(head)
-    for name in CASES:
+    for name in results["nbddp"]:
         r = results["nbddp"][name]
         line = f"{name:<42} {fmt(r['detect_s']):>12} {fmt(r['recover_s']):>8} {r['state_kept']:>6}"
         if name in results["ipyparallel"]:
@@ -318,6 +328,7 @@ def main() -> None:
     parser.add_argument("--limit", type=float, default=20.0)
     parser.add_argument("--no-ipyparallel", action="store_true")
     parser.add_argument("--deaths-only", action="store_true", help="only the death section")
+    parser.add_argument("--cases", nargs="+", help="only the cases whose names hold these")
     parser.add_argument("--json")
     args = parser.parse_args()
     args.no_ipyparallel = without("ipyparallel", args.no_ipyparallel)

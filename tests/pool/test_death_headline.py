@@ -12,6 +12,8 @@ their state. ``-m slow`` runs 20 per size, as the issue asks.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from helpers import collect
@@ -59,9 +61,25 @@ def _killed_mid_step(pool: Pool) -> None:
     assert lines[1].startswith(f"{rank_set(sorted(end.errors))}: freed from a collective"), message
     assert lines[1].endswith(f" after rank {KILLED} died; state kept"), message
     assert all(P.RankState(r, "freed") in seen for r in end.errors), seen
-    kept = [None if r == KILLED else 100 + r for r in range(n)]
+    stuck = _stuck_in_gloo(end.notes)
+    kept = [None if r == KILLED or r in stuck else 100 + r for r in range(n)]
     assert pool.execute("globals().get('kept')") == kept
     assert set(end.errors) <= set(others)
+
+
+def _stuck_in_gloo(notes) -> set[int]:
+    """The ranks the pool restarted as stuck in DDP's backward after the abort, each said
+    in a note: gloo never fails a send queued on a connection it closes, and waits its
+    30 min timeout (docs/failures.md: 1 run in about 100 at 8 ranks, 2 busy cores). Only
+    that, exactly: a rank restarted anywhere else fails the test."""
+    said = [n for n in notes if "stopped and given " in n]
+    if not said:
+        return set()
+    (note,) = said
+    seen = re.findall(r"rank (\d+) last seen at ([^;)]*)", note)
+    assert seen, note
+    assert all("backward" in where for _, where in seen), note
+    return {int(r) for r, _ in seen}
 
 
 def _runs(pool: Pool, runs: int) -> None:

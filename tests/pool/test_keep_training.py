@@ -144,16 +144,16 @@ def test_a_step_ended_on_some_ranks_only_is_made_one_model_again(trained):
     train_on(pool)
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.at_sizes(3, fixture="trained")  # 8: docs/failures.md, known, open (a stuck rank)
+@pytest.mark.timeout(240)
 def test_a_step_apart_and_a_death_in_one_cell_then_the_next_training_cell(trained):
     """Rank 1 a step behind, and the last rank dead in the next step: the copy that makes
     one model again goes to the dead rank's new process too (DDP's wrapping again needs
     every rank to hold the model), then --heal; every rank trains one model.
 
-    At 8 ranks beside a full tests/pool run, 2 runs of 8 lost the pool: one survivor
-    stayed 30 s in ``loss.backward()`` after the abort, with no socket of the group left
-    open (docs/failures.md, known and open); it passed 3 of 3 at 8 before that was seen."""
+    At 8 ranks beside a full tests/pool run, 2 runs of 8 once lost the pool: a survivor
+    stayed in ``loss.backward()`` after the abort, on a gloo send that gloo never fails
+    (docs/failures.md). That rank alone is restarted now, 30 s after the abort, and
+    healed like the dead one: the next training cell still matches."""
     pool = healthy(trained)
     n = pool.world_size
     kill = f"    if rank == {n - 1} and step == 2:\n        os.kill(os.getpid(), 9)\n"

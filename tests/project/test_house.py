@@ -243,7 +243,14 @@ def test_the_checks_can_see_a_circle_and_an_upward_import():
 
 # recovery decides, the pool's repair part carries out (issue 40, one way through): what
 # recovery may import (its words and its facts' types), and it is handed no pool to drive
-DECIDER_IMPORTS = {"wire.protocol", "wire.stacks", "pool.deathnote", "pool.errors", "pool.deadlock"}
+DECIDER_IMPORTS = {
+    "wire.protocol",
+    "wire.stacks",
+    "pool.deathnote",
+    "pool.stopnote",
+    "pool.errors",
+    "pool.deadlock",
+}
 
 
 def names_the_pool(tree: ast.Module) -> list[str]:

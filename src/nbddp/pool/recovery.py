@@ -20,10 +20,12 @@ pool's repair part (:class:`~nbddp.pool.repair.PoolRepair`) gathers the facts
   is lost, and its ranks wait for a replacement host (nbddp.pool.hosts_lost); ranks without
   a holder, or of a lost host that held torchrun's store, cannot come back: the pool
   is stopped.
-- Ranks that do not come back (a death broke the group for good, a rank stuck
-  in C past the grace period): :class:`Stop`, and the next cell starts a new pool.
-  Every note that says state was lost is made by :func:`state_lost`, so they all
-  say it the same way.
+- Ranks stuck in C past the grace period: :class:`Stop` stops them alone, and they are
+  replaced after the cell like the dead (the others keep their state); where they cannot
+  be (attached, ``on_death="restart"``, every rank stuck), or a death broke the group for
+  good, every rank is stopped and the next cell starts a new pool. Every note that says
+  state was lost is made by :func:`state_lost` (nbddp.pool.stopnote), so they all say it
+  the same way.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ..wire import stacks as S
 from .deadlock import out_of_step
 from .deathnote import killer_hint, replaced_note
 from .errors import PoolStartError, RankDied
+from .stopnote import state_lost, stop_note
 
 __all__ = [
     "CrashLoop",
@@ -129,14 +132,18 @@ class Replace:
     ranks: tuple[int, ...]
     code: str = ""
     notes: tuple[str, ...] = ()
+    stopped: tuple[int, ...] = ()  # those the pool itself stopped (stuck): no killer to name
 
 
 @dataclass(frozen=True)
 class Stop:
-    """Stop every live rank (``ranks``: those stuck, shown as stopped); ``note`` says why."""
+    """Stop every live rank (``ranks``: those stuck, shown as stopped); ``note`` says why.
+    ``only``: stop the stuck ranks alone, the others keep their namespaces and the pool
+    gives the stuck ones new processes after the cell (:func:`after_cell`)."""
 
     note: str
     ranks: tuple[int, ...] = ()
+    only: bool = False
 
 
 @dataclass(frozen=True)
@@ -166,13 +173,16 @@ def can_replace(facts: Facts) -> bool:
     return facts.on_death == "replace" and (not facts.attached or facts.renewable)
 
 
-def after_cell(facts: Facts, died: list[int], sup, out) -> Reform | Replace | None:
-    """After a cell's end: replace the ranks that ``died``, re-form a group that was
-    aborted (or that the cell destroyed), or nothing."""
+def after_cell(
+    facts: Facts, died: list[int], sup, out, stopped: list[int] = ()
+) -> Reform | Replace | None:
+    """After a cell's end: replace the ranks that ``died`` and those the pool ``stopped``
+    (stuck, :func:`stop`), re-form a group that was aborted (or that the cell destroyed),
+    or nothing."""
     if facts.lost:
         return None
-    if died:
-        return Replace(tuple(died), out.code)
+    if died or stopped:
+        return Replace(tuple(sorted({*died, *stopped})), out.code, stopped=tuple(stopped))
     if sup.aborted_at is not None:
         if getattr(sup, "deadlock", None) is not None:  # (said first, by the error)
             return Reform("to end the deadlock")
@@ -228,9 +238,19 @@ def between_cells(
     return None
 
 
-def stop(facts: Facts, action) -> Stop:
-    """The supervisor's last resort (``action``: a ``stop``, its reason and ranks)."""
-    return Stop(_stop_note(facts, action), tuple(action.ranks))
+def stop(facts: Facts, action, live: list[int]) -> Stop:
+    """The supervisor's last resort (``action``: a ``stop``, its reason and ranks stuck in
+    C past the grace period; ``live``: every live rank). On a local pool that replaces
+    its dead, only the stuck ranks are stopped when some rank is not stuck: they get new
+    processes, the others keep their state (as a death costs). Else every rank is."""
+    only = (
+        action.reason != "death"
+        and can_replace(facts)
+        and not facts.attached
+        and not facts.lost
+        and bool(set(live) - set(action.ranks))
+    )
+    return Stop(stop_note(facts, action, only), tuple(action.ranks), only)
 
 
 def count_death(deaths: dict[int, list[float]], rank: int, now: float) -> None:
@@ -246,15 +266,6 @@ def count_death(deaths: dict[int, list[float]], rank: int, now: float) -> None:
 
 
 # ------------------------------------------------------------ words
-
-
-def state_lost(what: str) -> str:
-    """A note for the next cell: ``what`` happened, so the pool was stopped."""
-    return f"{what}; the next cell starts a new one (the ranks' state is lost)"
-
-
-def _were(ranks) -> str:
-    return "were" if len(ranks) > 1 else "was"
 
 
 def collectives_of(sup, out) -> list[str]:
@@ -305,11 +316,13 @@ def replaced_notes(
     healed,
     code: str = "",
     bound: str = "",
+    stopped=(),
 ) -> list[str]:
     """What each replaced rank held (``fresh``: the names its new process started with),
     the re-form (``bound``: what it bound again), and who may have sent a SIGKILL
-    (``code``: the cell's)."""
+    (``code``: the cell's; not for those the pool ``stopped`` itself)."""
     notes = [line for r in sorted(had) for line in replaced_note(r, had[r].held, fresh[r], healed)]
+    stopped = set(stopped)
     new = S.rank_set(sorted(had)).replace("rank", "new rank", 1)
     if len(had) < facts.world_size:
         notes.append(
@@ -319,7 +332,7 @@ def replaced_notes(
     else:
         notes.append(f"the process group was formed again with the {new} in {took:.2f} s")
     for rank, dead in sorted(had.items()):
-        if dead.code == -signal.SIGKILL:
+        if dead.code == -signal.SIGKILL and rank not in stopped:
             notes += killer_hint(rank, code)
     return notes
 
@@ -341,40 +354,3 @@ def death_notes(facts: Facts, rank: int, code: int | None, cell_code: str) -> li
     if code == -signal.SIGKILL and not can_replace(facts):
         return killer_hint(rank, cell_code)
     return []
-
-
-def _last_seen(action) -> str:
-    """``rank 3 last seen at loss.backward(), cell line 7``, each stopped rank's."""
-    seen = action.seen or ((),) * len(action.ranks)
-    return "; ".join(
-        f"rank {r} last seen at {S.summary(f)}" if f else f"rank {r} answered no sample"
-        for r, f in zip(action.ranks, seen, strict=False)
-    )
-
-
-def _stop_note(facts: Facts, action) -> str:
-    stuck = list(action.ranks)
-    if action.reason == "death" and facts.attached:
-        why = facts.store_lost or (
-            "the process group lost a member that cannot come back (a rank without a "
-            "holder, NBDDP_HOLD=0)"
-        )
-        return (
-            f"{why}, so the pool was stopped: start torchrun again and attach again (the "
-            "ranks' state is lost)"
-        )
-    if action.reason == "death":
-        return state_lost(
-            "the process group lost a member (on_death='restart'), so the pool was stopped"
-        )
-    if action.reason == "abort":
-        return state_lost(
-            f"{S.rank_set(stuck)} still ran {max(action.seconds, facts.grace):.0f} s after "
-            "the process group was aborted (blocked where the abort did not reach: a "
-            f"collective, or a DDP step's in torch's code; {_last_seen(action)}) and "
-            f"{_were(stuck)} stopped with the rest of the pool"
-        )
-    return state_lost(
-        f"{S.rank_set(stuck)} did not stop within {facts.grace:g} s of the "
-        f"{action.reason} and {_were(stuck)} stopped with the rest of the pool"
-    )

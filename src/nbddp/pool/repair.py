@@ -143,28 +143,34 @@ class PoolRepair:
     def recover(self: Pool, sup, out):
         """After a cell: replace the ranks that died in it, or re-form its group."""
         died = sorted(r for r, x in out.exits.items() if not x.stopped_by_pool)
-        decision = recovery.after_cell(self.facts(), died, sup, out)
+        stopped = sorted(r for r, x in out.exits.items() if x.stopped_by_pool)
+        decision = recovery.after_cell(self.facts(), died, sup, out, stopped)
         if type(decision) is Replace:
             yield from self._replace(decision)
         elif type(decision) is Reform:
             yield from self._reform(decision, out.code)
 
     def stop_all(self: Pool, out, action):
-        """The last resort: stop every live rank; the next cell starts a new pool."""
-        decision = recovery.stop(self.facts(), action)
+        """The last resort: stop the ranks stuck past the grace period, and every other
+        live rank unless the stuck ones alone can be given new processes after the cell
+        (:func:`nbddp.pool.recovery.stop`); the next cell then starts a new pool."""
+        live = self.roster.live()
+        decision = recovery.stop(self.facts(), action, [o.rank for o in live])
         self.notes.append(decision.note)
-        others = self.roster.live()
-        for o in others:
+        ended = [o for o in live if o.rank in decision.ranks or not decision.only]
+        for o in ended:
             if not self.procs.kill(o.pid):
                 o.send(P.Shutdown())
-        self.reap(others, time.monotonic() + 2.0)
-        self._take_no_rank()
-        for o in others:
+        self.reap(ended, time.monotonic() + 2.0)
+        if not decision.only:
+            self._take_no_rank()
+        for o in ended:
             yield from self.drain(o.rank)
             if o.rank in decision.ranks:
                 out.exits[o.rank] = P.RankExit(o.rank, o.returncode, True, time.time())
                 yield P.RankState(o.rank, "dead")
-        self.state = "lost"
+        if not decision.only:
+            self.state = "lost"
 
     # ------------------------------------------------------------ re-forms
 
@@ -196,9 +202,9 @@ class PoolRepair:
         t0 = time.monotonic()
         had = yield from self._formed_again(list(decision.ranks))
         if had is not None:
-            yield from self._replaced(had, t0, decision.code)
+            yield from self._replaced(had, t0, decision.code, decision.stopped)
 
-    def _replaced(self: Pool, had: dict[int, Dead], t0: float, code: str):
+    def _replaced(self: Pool, had: dict[int, Dead], t0: float, code: str, stopped=()):
         """Say what the replaced ranks held (after ``--heal``'s copy, before the next cell)."""
         took, table = time.monotonic() - t0, self.roster.ranks
         fresh = {r: frozenset(h.name for h in table[r].held) | table[r].names for r in had}
@@ -206,7 +212,7 @@ class PoolRepair:
         one = agreeing.one_model(self, sorted(had))  # (first: the heal copies from a survivor)
         healed, reran = healing.renew(self, sorted(had))  # (its cells set self.notes)
         facts = self.facts()
-        self.notes += recovery.replaced_notes(facts, had, took, fresh, healed, code, bound)
+        self.notes += recovery.replaced_notes(facts, had, took, fresh, healed, code, bound, stopped)
         self.notes += one
         self.notes += reran
         for rank in sorted(had):
