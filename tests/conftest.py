@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
+import warnings
 from pathlib import Path
 
 # before any CUDA probe: torch.cuda.is_available() asks NVML instead of initialising the
@@ -93,6 +96,23 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_runtest_setup(item) -> None:
     """Before the test's fixtures: no GPU for a test not marked ``cuda``."""
     MACHINE.use(cpu=not is_cuda(item))
+
+
+@pytest.fixture(autouse=True)
+def _sigint_as_found(request):
+    """Every test leaves this process's SIGINT handler as it found it: the Ctrl-C tests
+    (test_interrupts) need Python's own, and a worker runs many modules before them (a
+    clean-clone run hung there, SIGINT swallowed). One that does not is named in a warning
+    (the run's summary) and the handler is put back."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    main = threading.current_thread() is threading.main_thread()
+    if after is not before and before is not None and main:
+        signal.signal(signal.SIGINT, before)
+        warnings.warn(
+            f"{request.node.nodeid} left SIGINT's handler {after!r} (put back)", stacklevel=1
+        )
 
 
 @pytest.fixture(scope="session")

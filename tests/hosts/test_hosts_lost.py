@@ -29,9 +29,11 @@ from nbddp.dashboard.sinks import TextSink
 from nbddp.dashboard.view import Dashboard
 from nbddp.detached import client
 from nbddp.detached import messages as W
+from nbddp.hosts.relay_carry import RENEW_WAIT
 from nbddp.notebook import remote, reports
 from nbddp.notebook.session import SESSION
 from nbddp.pool.hosts_lost import HostsMissing
+from nbddp.pool.recovery import RENEW_TIMEOUT
 from nbddp.wire import protocol as P
 from nbddp.wire.stacks import rank_set
 from tiers import slow
@@ -143,6 +145,39 @@ def test_a_host_whose_ranks_end_before_its_relay_is_lost_not_late(hosts, per_hos
         said = " ".join(pool.take_notes())
         assert "host sim1 (ranks" in said, said
         assert "was lost" in said, said
+        assert [s.rank for s in pool.status() if s.state == "missing"] == list(lost)
+        start(lost)
+        wait_rejoined(pool, 60, "the replacement's ranks were not taken")
+        values = shown(pool)  # (the new ranks re-ran `x = rank * 10`: no collective)
+        assert values == {r: f"{r} {r * 10}" for r in range(world)}, "the others kept x"
+        assert [s.state for s in pool.status()] == ["idle"] * world
+
+
+@pytest.mark.timeout(240)
+def test_a_host_whose_holders_died_while_its_relay_lives_is_lost_after_the_renew_wait():
+    """A host's ranks and their holders killed, its relay left running: no new process can
+    come, so the relay waits RENEW_WAIT (60 s) for one and then ends by itself; the re-form
+    that waits for those ranks (up to RENEW_TIMEOUT, 90 s, longer on purpose) sees the
+    host lost, not late: its ranks are missing, the pool and every other rank's state stay,
+    and a replacement host brings them back (issue 47: this had no test)."""
+    hosts, per_host = 2, 4
+    world, lost = hosts * per_host, range(per_host, 2 * per_host)
+    with sim_hosts(hosts, per_host, start_timeout=NO_WAIT) as (pool, sims, start):
+        pool.execute("x = rank * 10")
+        relay = next(r for r in pool.hub.relays if r.ranks and min(r.ranks) == per_host)
+        relay_proc = psutil.Process(relay.pid)
+        sims[1].kill()  # the ranks and (simulated) holders; the relay lives on
+        sims[1].wait(30)
+        t0 = time.monotonic()
+        with pytest.raises(HostsMissing, match=rf"{rank_set(lost)} of host sim1 are missing"):
+            pool.execute("x = None")  # waits for the relay to give up on its holders
+        took = time.monotonic() - t0
+        assert relay_proc.wait(10) is not None or not relay_proc.is_running()
+        assert RENEW_WAIT - 1 <= took < RENEW_TIMEOUT, took  # the relay's wait ended it
+        said = " ".join(pool.take_notes())
+        assert "host sim1 (ranks" in said, said
+        assert "was lost" in said, said
+        assert not pool.needs_restart
         assert [s.rank for s in pool.status() if s.state == "missing"] == list(lost)
         start(lost)
         wait_rejoined(pool, 60, "the replacement's ranks were not taken")

@@ -5,7 +5,8 @@ with its hostname and an /etc/hosts that names the nodes.
 Jobs of the script ``%ddp attach --slurm`` submits (torchrun's static rendezvous,
 --no-kill): a detached pool across a kernel restart; a rank SIGKILLed, replaced on its
 node; a node lost (every process of its namespace, its slurmd too) and its ranks brought
-back by the same script submitted again for node-c.
+back by the same script submitted again for node-c. The last two at 2 and 4 ranks a node
+(4 and 8 ranks; node-b's slurmd started again between the two).
 
 Skipped where Debian's slurm-wlm is not installed or the test is not root
 (.ci/run installs it, as root). Where it is installed, a cluster that does not
@@ -32,6 +33,7 @@ from helpers import collect, detached_family, free_port, namespace_digests, wait
 from nbddp import Pool
 from nbddp.notebook import remote
 from nbddp.pool.hosts_lost import HostsMissing
+from nbddp.wire.stacks import rank_set
 from netns import NOTEBOOK_IP, kill_host, make_nodes, needs_netns, on_node
 from tiers import slow
 
@@ -224,7 +226,7 @@ def test_a_detached_pool_of_a_slurm_job_outlives_a_kernel_restart(
     assert remote.read_or_create_token(str(token_file))  # made for the job, 0600
 
 
-# ------------------------------------ two SLURM nodes of two ranks: a death, a lost node
+# ------------------------------ two SLURM nodes of two and of four ranks: a death, a lost node
 
 HOLDERS = "(__import__('socket').gethostname(), __import__('os').getppid())"
 REDUCE = "_t = torch.ones(1) * (rank + 1)\ntorch.distributed.all_reduce(_t)\n_t.item()"
@@ -258,18 +260,49 @@ def ended(env: dict, jobs: list[str], timeout: float) -> list[str]:
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="module")
-def slurm_pool(slurm, tmp_path_factory):
-    """(pool, the SLURM environment, [job ids], folder): a Pool of 4 ranks that listens on
-    the bridge, and the job script ``%ddp attach --slurm`` writes, submitted for node-a and
-    node-b (two ranks each)."""
-    folder = tmp_path_factory.mktemp("slurmjob")
+def node_state(env: dict, name: str) -> str:
+    return subprocess.run(
+        ["sinfo", "-h", "-n", name, "-o", "%t"], env=env, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def revive(env: dict, node) -> None:
+    """A node a test killed (every process of its namespace) back in service: its slurmd
+    started again (ReturnToService=2 takes it back); the cluster's teardown ends it."""
+    conf = env["SLURM_CONF"]
+    hosts = os.path.join(os.path.dirname(conf), "hosts")
+    log = os.path.join(os.path.dirname(conf), f"revived-{node[1]}.log")
+    with open(log, "ab") as f:
+        _started(
+            os.path.dirname(conf), f, on_node(node, f"slurmd -D -N {node[1]} -f {conf}", hosts), env
+        )
+    deadline = time.monotonic() + 60
+    while node_state(env, node[1]) != "idle":
+        assert time.monotonic() < deadline, f"{node[1]} is {node_state(env, node[1])}"
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2x2", "2x4"])
+def slurm_pool(request, slurm, netns_nodes, tmp_path_factory):
+    """(pool, the SLURM environment, [job ids], folder): a Pool of 2 x ``per_node`` ranks (4
+    and 8) that listens on the bridge, and the job script ``%ddp attach --slurm`` writes,
+    submitted for node-a and node-b (``per_node`` ranks each)."""
+    per_node = request.param
+    world = 2 * per_node
+    for node in netns_nodes[:SLURM_NODES]:  # (an earlier size's lost node-b: back up)
+        if node_state(slurm, node[1]).startswith("down"):
+            revive(slurm, node)
+    folder = tmp_path_factory.mktemp(f"slurmjob{world}")
     token_file = str(folder / "token")
     env = dict(slurm, GLOO_SOCKET_IFNAME="eth0")  # (the job's environment is this one)
     token = remote.read_or_create_token(token_file)
-    pool = Pool(4, listen=(NOTEBOOK_IP, 0), token=token, start_timeout=240)
+    pool = Pool(world, listen=(NOTEBOOK_IP, 0), token=token, start_timeout=240)
     script = remote.slurm_script(
-        "--nodes 2 --nodelist node-a,node-b", 4, pool.listen(), token_file, python=sys.executable
+        "--nodes 2 --nodelist node-a,node-b",
+        world,
+        pool.listen(),
+        token_file,
+        python=sys.executable,
     )
     jobs = [sbatch(env, folder, script)]
     try:
@@ -282,30 +315,31 @@ def slurm_pool(slurm, tmp_path_factory):
         assert not left, f"jobs {left} did not end after the pool stopped"
 
 
+def _summed(world: int) -> list[float]:
+    """REDUCE's value on every rank of ``world``."""
+    return [float(world * (world + 1) // 2)] * world
+
+
 @pytest.mark.timeout(300)
 def test_a_dead_rank_in_a_slurm_job_is_replaced_on_its_node(slurm_pool):
-    """SIGKILL rank 3 (node-b) in a job slurmd started: its holder forks a new rank 3 on
-    node-b, ranks 0-2 keep their namespaces (node-b's rank 2 too), the job runs on."""
+    """SIGKILL the last rank (node-b) in a job slurmd started: its holder forks a new one on
+    node-b, every other rank keeps its namespace (node-b's others too), the job runs on."""
     pool, env, jobs, _ = slurm_pool
-    assert pool.hosts == {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
+    world = pool.world_size
+    per_node, last = world // 2, world - 1
+    assert pool.hosts == {r: "node-a" if r < per_node else "node-b" for r in range(world)}
     pool.execute("w = torch.full((1000,), float(rank))")
     holders, before = pool.execute(HOLDERS), namespace_digests(pool)
-    os.kill(pool.roster[3].pid, signal.SIGKILL)  # (node-b's pid: only the network is its own)
+    os.kill(pool.roster[last].pid, signal.SIGKILL)  # (node-b's pid: only its network is own)
     _, _, end = collect(pool.run("rank"))
     said = " ".join(end.notes)
     print(next((n for n in end.notes if "re-formed" in n), said))
-    assert "rank 3: a new process took its place" in said, said
+    assert f"rank {last}: a new process took its place" in said, said
     assert "every other rank kept its namespace" in said, said
     assert pool.execute(HOLDERS) == holders  # on node-b, under the same holder
-    assert namespace_digests(pool)[:3] == before[:3]
-    assert pool.execute(REDUCE) == [10.0] * 4
+    assert namespace_digests(pool)[:last] == before[:last]
+    assert pool.execute(REDUCE) == _summed(world)
     assert squeue(env, "-j", jobs[0], "-o", "%T").split() == ["RUNNING"]
-
-
-def node_state(env: dict, name: str) -> str:
-    return subprocess.run(
-        ["sinfo", "-h", "-n", name, "-o", "%t"], env=env, capture_output=True, text=True
-    ).stdout.strip()
 
 
 @pytest.mark.timeout(420)
@@ -315,6 +349,9 @@ def test_a_lost_slurm_node_rejoins_from_a_replacement_node(slurm_pool, netns_nod
     (--no-kill), ranks 0 and 1 keep their namespaces; the same job script, submitted again
     for node-c with NBDDP_NODE_RANK=1 and NBDDP_MASTER_ADDR, brings ranks 2 and 3 back."""
     pool, env, jobs, folder = slurm_pool
+    world = pool.world_size
+    per_node = world // 2
+    lost = list(range(per_node, world))
     pool.execute("w = torch.full((1000,), float(rank))")
     before = namespace_digests(pool)
     kill_host(netns_nodes[1][0])
@@ -322,7 +359,8 @@ def test_a_lost_slurm_node_rejoins_from_a_replacement_node(slurm_pool, netns_nod
     while node_state(env, "node-b") not in ("down*", "down"):  # (SlurmdTimeout=5)
         assert time.monotonic() < deadline, f"node-b is {node_state(env, 'node-b')}"
         time.sleep(0.5)
-    with pytest.raises(HostsMissing, match=r"ranks 2, 3 of host node-b are missing") as no:
+    missing = rf"{rank_set(lost)} of host node-b are missing"
+    with pytest.raises(HostsMissing, match=missing) as no:
         pool.execute("w = None")  # refused at once: nothing runs
     recipe = (  # the real job id, node rank and master: what brings node-b's ranks back
         f"`scontrol write batch_script {jobs[0]} nbddp.sh` then `sbatch --nodes 1 "
@@ -331,7 +369,7 @@ def test_a_lost_slurm_node_rejoins_from_a_replacement_node(slurm_pool, netns_nod
     assert recipe in str(no.value), no.value
     assert recipe in " ".join(pool.take_notes())
     assert squeue(env, "-j", jobs[0], "-o", "%T").split() == ["RUNNING"], "--no-kill"
-    assert [s.state for s in pool.status()] == ["idle", "idle", "missing", "missing"]
+    assert [s.state for s in pool.status()] == ["idle"] * per_node + ["missing"] * per_node
     script = subprocess.run(
         ["scontrol", "write", "batch_script", jobs[0], "-"], env=env, capture_output=True
     ).stdout.decode()
@@ -347,7 +385,7 @@ def test_a_lost_slurm_node_rejoins_from_a_replacement_node(slurm_pool, netns_nod
     assert "rejoined from node-c" in said, said
     assert "every other rank kept its namespace" in said, said
     after = namespace_digests(pool)
-    assert after[:2] == before[:2]
-    own = pool.execute("w[0].item()", ranks=list((2, 3)))  # (re-ran w's cell)
-    assert [own[r] for r in (2, 3)] == [float(r) for r in (2, 3)], "their own w"
-    assert pool.execute(REDUCE) == [10.0] * 4
+    assert after[:per_node] == before[:per_node]
+    own = pool.execute("w[0].item()", ranks=lost)  # (re-ran w's cell)
+    assert [own[r] for r in lost] == [float(r) for r in lost], "their own w"
+    assert pool.execute(REDUCE) == _summed(world)

@@ -7,6 +7,7 @@ import random
 import re
 import signal
 import threading
+import warnings
 
 import pytest
 
@@ -240,12 +241,16 @@ def test_ranks_an_interrupt_left_out_of_step_are_re_formed_and_keep_their_state(
     ), note
     assert "re-formed" in note
     assert "Every rank kept its namespace" in note
-    _, _, check = collect(pool.run(CHECK, want_values=True))
+    text, _, check = collect(pool.run(CHECK, want_values=True))
     if not check.exits:
         assert not check.errors, check
         _same_state(pool, before, pids, "x")
     else:  # the known crash, exactly: the last rank by SIGABRT; it is replaced
         assert {r: e.returncode for r, e in check.exits.items()} == {n - 1: -signal.SIGABRT}
+        said = text.get((n - 1, "stderr"), "")[-1500:]  # gloo's own words, for the CI log
+        warnings.warn(
+            f"the known gloo SIGABRT at {n} ranks; rank {n - 1} said: {said!r}", stacklevel=2
+        )
         assert pool.execute(CHECK) == [float(n)] * n
         drop = ("t", "x")
         after = [{k: v for k, v in d.items() if k not in drop} for d in namespace_digests(pool)]
