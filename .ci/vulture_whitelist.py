@@ -29,6 +29,7 @@ _._debug
 _._run
 _._attach
 _._copy
+_._rollback
 _._connect
 _._list
 _._disconnect

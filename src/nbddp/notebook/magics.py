@@ -17,7 +17,14 @@ from ..dashboard.metric_store import CellMetrics
 from ..dashboard.view import Dashboard, TextSink
 from ..pool import capture, copying
 from ..pool.drive import drive
-from ..pool.errors import CaptureError, CellFailed, PoolClosedError, PoolStartError, RankFailed
+from ..pool.errors import (
+    CaptureError,
+    CellFailed,
+    NbddpError,
+    PoolClosedError,
+    PoolStartError,
+    RankFailed,
+)
 from ..pool.facade import Pool, failures_of, raise_for_end
 from ..pool.sizes import human
 from ..rank import profiling
@@ -163,6 +170,19 @@ class DDPMagics(PoolCommands, Magics):
         )
         for note in done.notes:
             say(note)
+
+    def _rollback(self, rest: str) -> None:
+        """Put every rank's --keep objects back as they were at the end of the last clean
+        cell, on every rank at once."""
+        if rest.strip():
+            raise UsageError(f"%ddp rollback takes no arguments, not {rest.strip()!r}")
+        pool = self._running("there is nothing to roll back")
+        if not hasattr(pool, "rollback"):
+            raise UsageError("%ddp rollback: a detached pool's snapshots are not built yet")
+        try:
+            say(pool.rollback())
+        except NbddpError as exc:
+            raise UsageError(f"%ddp rollback: {exc}") from None
 
     def _run(self, rest: str) -> None:
         args = parse_argstring(ddp_run, rest)

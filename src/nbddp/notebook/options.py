@@ -29,6 +29,7 @@ SUBCOMMANDS = (
     "push",
     "pull",
     "copy",
+    "rollback",
     "connect",
     "list",
     "disconnect",
@@ -159,6 +160,13 @@ def ddp_cell(line, cell):
     metavar="NAMES",
     help="names a rank that took a dead one's place gets from a survivor before the next "
     "cell ('model,opt'; DDP wrappers wrapped again)",
+)
+@argument(
+    "--keep",
+    metavar="NAMES",
+    help="names every rank snapshots at the end of each clean cell ('fmodel,opt': modules "
+    "incl. FSDP2 and tensor-parallel, optimizers, tensors), into shared memory; "
+    "%%ddp rollback puts them back on every rank",
 )
 @argument(
     "--threads",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..dashboard.sinks import columns
 from ..pool.hosts_lost import missing, missing_line
+from ..pool.sizes import human
 from ..wire import stacks as S
 from .session import running
 
@@ -20,7 +21,21 @@ def status(pool) -> str:
     for s in pool.status():
         rss = "-" if s.rss is None else f"{s.rss / 2**20:.0f} MiB"
         rows.append((str(s.rank), str(s.pid), s.host, s.device, s.state, f"{s.uptime:.0f} s", rss))
-    return columns(rows) + _missing(pool)
+    return columns(rows) + _missing(pool) + _kept(pool)
+
+
+def _kept(pool) -> str:
+    """The line on ``--keep``'s last snapshot ('' without one)."""
+    snap, names = getattr(pool, "snapshot", None), getattr(pool, "keep", ())
+    if not names:
+        return ""
+    if snap is None:
+        return f"\nnbddp: keeps {', '.join(names)}: no snapshot yet (one after each clean cell)"
+    most = max(snap.nbytes.values(), default=0)
+    return (
+        f"\nnbddp: keeps {', '.join(n for n in names if n not in snap.missing)} as at the end "
+        f"of {snap.label}: {human(most)} a rank at most, in shared memory ({snap.seconds:.2f} s)"
+    )
 
 
 def _missing(pool) -> str:

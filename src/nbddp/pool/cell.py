@@ -17,11 +17,11 @@ import inspect
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..wire import protocol as P
 from ..wire import stacks as S
-from . import rerun
+from . import keeping, rerun
 from .deadlock import world_count
 from .errors import root_causes
 from .hub import Closed, Dones, Gone, Mark, Msg, Text
@@ -220,6 +220,10 @@ class Cell:
             pool.last_counts = {r: world_count((None, g)) for r, g in places}
         end = out.end(sup, notes + pool.take_notes(), kept=not pool.needs_restart)
         rerun.record(pool, self, end)
+        if getattr(pool, "keep", ()) and rerun.ran_cleanly(pool, self, end):  # --keep
+            keeping.take(pool, self.label or f"cell {self.cell}")
+            end = replace(end, notes=(*end.notes, *pool.notes))  # (what it said, now)
+            pool.notes = []
         if not end.interrupted:  # a rank a peer's failure broke shows as freed, not red
             _, consequences = root_causes(failures_of(end))
             for f in consequences:

@@ -26,11 +26,12 @@ from collections.abc import Iterator, Mapping
 from ..wire import payload
 from ..wire import protocol as P
 from ..wire.listener import Listener
-from . import capture, copying, queries, resizing
+from . import capture, copying, keeping, queries, resizing
 from .calls import PoolCalls
 from .cell import Cell, Requests, make_runs
 from .healing import check_heal
 from .hub import Hub
+from .keeping import Snapshot, check_keep
 from .layout import check_pool
 from .life import PoolLife
 from .logs import LogDir
@@ -79,6 +80,7 @@ class Pool(PoolLife, PoolRepair, PoolCalls):
         on_death: str = "replace",
         heal: list[str] | str | None = None,
         rerun: bool = True,
+        keep: list[str] | str | None = None,
     ) -> None:
         check_pool(
             n,
@@ -113,6 +115,8 @@ class Pool(PoolLife, PoolRepair, PoolCalls):
         self.heal = check_heal(heal, on_death)  # names a new rank gets from a survivor
         self.rerun = bool(rerun)  # a new rank re-runs the cells it can (nbddp.pool.rerun)
         self.history = History()  # ... of those that ran cleanly on every rank
+        self.keep = check_keep(keep, listen is not None)  # snapshotted after each clean cell
+        self.snapshot: Snapshot | None = None  # the last one (nbddp.pool.keeping)
         # attached pools: ranks started elsewhere (torchrun) connect over TCP with ``token``
         self.listen_on, self.token, self.tls = listen, token or b"", tls  # tls: Tls
         # new -> starting -> ready (cells run) -> lost (a death: the next cell starts anew)
@@ -343,6 +347,11 @@ class Pool(PoolLife, PoolRepair, PoolCalls):
         """Bind rank ``src``'s ``names`` on ``dst`` (all others): :mod:`nbddp.pool.copying`."""
         with self.history.pause():  # (its cells are the pool's own: never re-run)
             return copying.copy(self, names, src, dst)
+
+    def rollback(self) -> str:
+        """Every rank's ``keep`` objects back as the last snapshot has them, on every rank at
+        once (:mod:`nbddp.pool.keeping`); the line that says so."""
+        return keeping.rollback(self)
 
     def resize(self, n: int) -> resizing.Resized:
         """``n`` ranks: those that stay keep their namespaces, new ones start fresh, the

@@ -164,21 +164,30 @@ def _why_not(run, issued: bool) -> str:
     return ""
 
 
-def record(pool, cell, end) -> None:
-    """Keep ``cell`` (:class:`nbddp.pool.cell.Cell`, ended with ``end``) if it ran cleanly
-    on every rank."""
+def ran_cleanly(pool, cell, end) -> bool:
+    """``cell`` (:class:`nbddp.pool.cell.Cell`, ended with ``end``) is a user's cell that
+    ran on every rank and ended well on each (what a re-run and a snapshot take)."""
     history = getattr(pool, "history", None)  # (a test's stand-in pool has none)
     runs, out = cell.runs, cell.out
-    if history is None or history.paused or not pool.rerun or not runs or out is None:
-        return
+    if history is None or history.paused or not runs or out is None:
+        return False  # (the pool's own cells run paused)
     if sorted(runs) != list(range(pool.world_size)):
-        return  # ``--ranks``: the others did not run it
+        return False  # ``--ranks``: the others did not run it
     if end.errors or end.exits or end.interrupted or end.freed or end.deadlock:
+        return False
+    return all((d := out.done.get(r)) is not None and d.status == "ok" for r in runs)
+
+
+def record(pool, cell, end) -> None:
+    """Keep ``cell`` if it ran cleanly on every rank (:func:`ran_cleanly`)."""
+    if not pool.rerun or not ran_cleanly(pool, cell, end):
         return
+    runs, out = cell.runs, cell.out
     done = [out.done.get(r) for r in runs]
     run = runs[min(runs)]
-    if any(d is None or d.status != "ok" for d in done) or run.script or run.post_mortem:
+    if run.script or run.post_mortem:
         return
+    history = pool.history
     scanned = scan(run.code)
     if scanned is None:
         return
