@@ -168,6 +168,9 @@ def test_a_host_whose_holders_died_while_its_relay_lives_is_lost_after_the_renew
         relay_proc = psutil.Process(relay.pid)
         sims[1].kill()  # the ranks and (simulated) holders; the relay lives on
         sims[1].wait(30)
+        # the relay told the notebook its ranks ended: the next cell's repair reads it (a
+        # cell sent before that would see them die in it: the same wait, said as a failure)
+        assert select.select([relay.conn.fileno()], [], [], 30)[0], "the relay said nothing"
         t0 = time.monotonic()
         with pytest.raises(HostsMissing, match=rf"{rank_set(lost)} of host sim1 are missing"):
             pool.execute("x = None")  # waits for the relay to give up on its holders
