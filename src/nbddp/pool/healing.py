@@ -20,21 +20,28 @@ from .deathnote import Healed
 from .drive import own_cells
 from .errors import NbddpError
 
-__all__ = ["check_heal", "heal", "renew"]
+__all__ = ["check_heal", "heal", "option_names", "renew"]
+
+
+def option_names(value, option: str) -> tuple[str, ...]:
+    """The names an option gives (``heal``, ``keep``: a list, or a comma/space separated
+    string), each once; ValueError for one that is not a name."""
+    if not value:
+        return ()
+    names = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+    bad = [n for n in names if not isinstance(n, str) or not n.isidentifier()]
+    if bad:
+        raise ValueError(f"{option}: not a name: {bad[0]!r}")
+    return tuple(dict.fromkeys(names))
 
 
 def check_heal(heal, on_death: str) -> tuple[str, ...]:
-    """The names ``heal`` gives (a list, or a comma/space separated string); ValueError
-    for a name that is not one, or a pool that restarts instead of replacing."""
-    if not heal:
-        return ()
-    names = heal.replace(",", " ").split() if isinstance(heal, str) else list(heal)
-    bad = [n for n in names if not isinstance(n, str) or not n.isidentifier()]
-    if bad:
-        raise ValueError(f"heal: not a name: {bad[0]!r}")
-    if on_death != "replace":
+    """The names ``heal`` gives (:func:`option_names`); ValueError for a name that is not
+    one, or a pool that restarts instead of replacing."""
+    names = option_names(heal, "heal")
+    if names and on_death != "replace":
         raise ValueError("heal: a pool with on_death='restart' replaces no rank to heal")
-    return tuple(dict.fromkeys(names))
+    return names
 
 
 def _one_line(exc: BaseException) -> str:

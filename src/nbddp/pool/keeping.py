@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from .drive import drive, own_cells
 from .errors import NbddpError
+from .healing import option_names
 from .outcome import failures_of
 
 __all__ = ["Snapshot", "check_keep", "rollback", "take"]
@@ -39,19 +40,14 @@ class Snapshot:
 
 
 def check_keep(keep, attached: bool) -> tuple[str, ...]:
-    """The names ``keep`` gives (a list, or a comma/space separated string); ValueError
-    for a name that is not one, or an attached pool (its snapshots are not built yet)."""
-    if not keep:
-        return ()
-    names = keep.replace(",", " ").split() if isinstance(keep, str) else list(keep)
-    bad = [n for n in names if not isinstance(n, str) or not n.isidentifier()]
-    if bad:
-        raise ValueError(f"keep: not a name: {bad[0]!r}")
-    if attached:
+    """The names ``keep`` gives (:func:`nbddp.pool.healing.option_names`); ValueError for
+    a name that is not one, or an attached pool (its snapshots are not built yet)."""
+    names = option_names(keep, "keep")
+    if names and attached:
         raise ValueError(
             "keep: an attached pool's snapshots are not built yet (a local pool's are)"
         )
-    return tuple(dict.fromkeys(names))
+    return names
 
 
 def take(pool, label: str) -> Snapshot | None:
