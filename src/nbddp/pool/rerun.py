@@ -180,7 +180,7 @@ def ran_cleanly(pool, cell, end) -> bool:
 
 def record(pool, cell, end) -> None:
     """Keep ``cell`` if it ran cleanly on every rank (:func:`ran_cleanly`)."""
-    if not pool.rerun or not ran_cleanly(pool, cell, end):
+    if not ran_cleanly(pool, cell, end) or not pool.rerun:
         return
     runs, out = cell.runs, cell.out
     done = [out.done.get(r) for r in runs]
