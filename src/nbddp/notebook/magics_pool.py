@@ -23,21 +23,15 @@ _KEPT = "every rank kept its state"
 _NEED = (" needs new processes for every rank", " need new processes for every rank")
 
 
-def _names(flag: str, text: str | None) -> list[str] | None:
-    """``--heal model,opt``, ``--keep fmodel``: the names, checked before any pool is
-    touched."""
-    if not text:
-        return None
-    names = capture.split_names(text)
-    bad = [n for n in names if not n.isidentifier()]
-    if bad:
-        raise UsageError(f"{flag}: not a name: {bad[0]!r}")
-    return names
+def _names(text: str | None) -> list[str] | None:
+    """``--heal model,opt``, ``--keep fmodel``: the names (capture.split_names refuses one
+    that is not a name, in one line), checked before any pool is touched."""
+    return capture.split_names(text) or None
 
 
 def _heal(text: str | None, on_death: str) -> list[str] | None:
     """``--heal model,opt``: the names, checked before any pool is touched."""
-    names = _names("--heal", text)
+    names = _names(text)
     if names and on_death != "replace":
         raise UsageError("--heal needs --on-death replace: a pool that restarts heals no rank")
     return names
@@ -79,7 +73,7 @@ class PoolCommands:
             threads=args.threads,
             on_death=args.on_death,
             heal=heal,
-            keep=_names("--keep", args.keep),
+            keep=_names(args.keep),
         )
         forced = f"%ddp start {rest.strip()}" + ("" if args.force else " --force")
         kernel_side = self._kernel_side(args.no_auto, auto_limit, args.auto_limit, tee)

@@ -222,8 +222,7 @@ class Cell:
         rerun.record(pool, self, end)
         if getattr(pool, "keep", ()) and rerun.ran_cleanly(pool, self, end):  # --keep
             keeping.take(pool, self.label or f"cell {self.cell}")
-            end = replace(end, notes=(*end.notes, *pool.notes))  # (what it said, now)
-            pool.notes = []
+            end = replace(end, notes=(*end.notes, *pool.take_notes()))  # (said now)
         if not end.interrupted:  # a rank a peer's failure broke shows as freed, not red
             _, consequences = root_causes(failures_of(end))
             for f in consequences:
